@@ -1,0 +1,136 @@
+"""The two schedules that drive the lm_head tiles, as autograd Functions.
+
+memory: forward = stats pass (logp, entropy, lse per token); the objective runs on [B,T] with plain autograd;
+        backward = gradient pass, vocab-outer: each vocabulary slice against every token tile, so each slice
+        of dW is written once from a float32 sum over token tiles (no [V,H] float32 accumulator). 8NHV FLOPs.
+speed:  forward = per token tile, stats and gradient on the same logits (6NHV, no recompute); the objective's
+        gradient for a tile is taken right after its stats, which is exact because, with the normalizers fixed
+        up front, a token's gradient depends only on its own row (tiles hold whole rows when the objective
+        couples a row's tokens). Backward only scales the stored gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import streaming
+
+
+class Kernels:
+    """The tile functions, under `torch.compile(fullgraph=True, dynamic=False)` or eager: the same code."""
+
+    def __init__(self, compiled: bool):
+        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compiled else (lambda f: f)
+        self.compiled = compiled
+        self.statistics = wrap(streaming.statistics_tile)
+        self.statistics_and_logits = wrap(streaming.statistics_and_logits_tile)
+        self.gradient_from_logits = wrap(streaming.gradient_from_logits_tile)
+        self.gradient_vocab = wrap(streaming.gradient_vocab_tile)
+
+
+def head_values(cfg, dtype, device) -> torch.Tensor:
+    """[logit_scale, 1 / temperature, softcap] as a tensor: new values never recompile the tiles."""
+    cap = cfg.final_logit_softcapping
+    return torch.tensor([cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0], dtype=dtype, device=device)
+
+
+def statistics_pass(k: Kernels, x, weight, bias, targets, head_values, softcap, tiles):
+    """(logp, entropy, lse) for every slot, one token tile at a time against the whole vocabulary."""
+    outs = [k.statistics(x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap) for s, n in tiles]
+    if not outs:
+        empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
+        return empty, empty, empty
+    return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+
+
+class StreamedStatistics(torch.autograd.Function):
+    """Memory schedule: logp and entropy per slot from x [slots,H]; gradients recomputed vocab-outer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, head_values, kernels, softcap, tiles, vocab_tile):
+        logp, entropy, lse = statistics_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles)
+        ctx.save_for_backward(x, weight, bias, targets, head_values, lse, entropy)
+        ctx.setup = (kernels, softcap, tiles, vocab_tile)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        x, weight, bias, targets, head_values, lse, entropy = ctx.saved_tensors
+        kernels, softcap, tiles, vocab_tile = ctx.setup
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        dx = torch.zeros(x.shape, dtype=torch.float32 if x.dtype != torch.float64 else x.dtype, device=x.device)
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b else None
+        V = weight.shape[0]
+        for v0 in range(0, V, vocab_tile):
+            w_v = weight[v0 : v0 + vocab_tile]
+            b_v = bias[v0 : v0 + vocab_tile] if bias is not None else None
+            dw_v = db_v = None
+            offset = torch.tensor(v0, device=x.device)
+            for s, n in tiles:
+                dx_t, dw_t, db_t = kernels.gradient_vocab(
+                    x[s : s + n],
+                    w_v,
+                    b_v,
+                    offset,
+                    targets[s : s + n],
+                    lse[s : s + n],
+                    entropy[s : s + n],
+                    g_logp[s : s + n],
+                    g_entropy[s : s + n],
+                    head_values,
+                    softcap,
+                    need_w,
+                )
+                dx[s : s + n] += dx_t
+                if need_w:
+                    dw_v = dw_t if dw_v is None else dw_v + dw_t
+                if need_b:
+                    db_v = db_t if db_v is None else db_v + db_t
+            if need_w:
+                dw[v0 : v0 + vocab_tile] = dw_v if dw_v is not None else 0
+            if need_b:
+                db[v0 : v0 + vocab_tile] = db_v if db_v is not None else 0
+        return dx.to(x.dtype), dw, db, None, None, None, None, None, None
+
+
+class PrecomputedGradients(torch.autograd.Function):
+    """Speed schedule: a loss whose gradients w.r.t. hidden, weight and bias were computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, d_hidden, d_weight, d_bias):
+        ctx.grads = (d_hidden, d_weight, d_bias)
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        d_hidden, d_weight, d_bias = ctx.grads
+        scale = lambda t: None if t is None else (t * g).to(t.dtype)
+        return None, scale(d_hidden), scale(d_weight), scale(d_bias), None, None, None
+
+
+def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, gradient_of_tile, need_w, need_b):
+    """Per tile: stats and logits, then the objective's gradient for that tile (`gradient_of_tile(s, n, logp,
+    entropy)` -> (g_logp, g_entropy)), then dX, dW, db from the same logits. Returns slot stats and grads."""
+    dtype = streaming.stat_dtype(x)
+    logp = x.new_zeros(x.shape[0], dtype=dtype)
+    entropy = torch.zeros_like(logp)
+    dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    dw = torch.zeros(weight.shape, dtype=dtype, device=x.device) if need_w else None
+    db = torch.zeros(weight.shape[0], dtype=dtype, device=x.device) if need_b else None
+    for s, n in tiles:
+        lp, h, lse, z = kernels.statistics_and_logits(
+            x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap
+        )
+        logp[s : s + n], entropy[s : s + n] = lp, h
+        g_logp, g_entropy = gradient_of_tile(s, n, logp, entropy)
+        dx_t, dw_t, db_t = kernels.gradient_from_logits(
+            z, x[s : s + n], weight, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, need_w, need_b
+        )
+        dx[s : s + n] = dx_t
+        if need_w:
+            dw += dw_t
+        if need_b:
+            db += db_t
+    return logp, entropy, dx, dw, db

@@ -1,0 +1,328 @@
+"""The public loss: `FusedLinearGRPOLoss` and `fused_linear_grpo_loss`.
+
+It equals, in plain torch (with logits materialized, which this never does):
+
+    z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature
+    logp = log_softmax(z).gather(-1, completion_ids);  entropy = -(softmax(z) * log_softmax(z)).sum(-1)
+    loss = <TRL 1.16.0 GRPOTrainer._compute_loss>(logp, entropy, completion_mask, advantages, ...)
+
+and returns TRL's metrics, the per-token logp and entropy, and the entropy mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import distributed, fused, objectives, quantile, streaming, tiling, validation
+from .config import SETTING_NAMES, GRPOLossConfig
+
+SCHEDULES = ("auto", "speed", "memory")
+
+
+@dataclass
+class GRPOLossOutput:
+    loss: torch.Tensor  # 0-d, float32 (float64 for float64 inputs), differentiable
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_token_logps: torch.Tensor | None = None  # [B,T], detached, 0 where masked
+    entropy: torch.Tensor | None = None  # [B,T], detached, 0 where masked
+    entropy_mask: torch.Tensor | None = None  # [B,T] bool, None when top_entropy_quantile == 1
+
+
+def default_tiles(device: torch.device) -> tuple[int, int, int]:
+    """(token tile, token tail tile, vocab tile): large GEMMs on a GPU, cache-sized ones on a CPU."""
+    if device.type == "cuda":
+        return 4096, 256, 16384
+    return 256, 32, 4096
+
+
+class FusedLinearGRPOLoss:
+    """GRPO-family loss from hidden states and the lm_head, without materializing [tokens, vocab] logits.
+
+    Settings (TRL's names and defaults, see `GRPOLossConfig`) are validated once, here. `compiled=True` runs the
+    tile functions under torch.compile; `compiled=False` runs the same functions eagerly. `schedule`: "memory"
+    (stats forward, recompute in backward), "speed" (gradients on the forward's logits; not with
+    top_entropy_quantile < 1, whose threshold needs every entropy first) or "auto". `validate=False` skips the
+    checks that read values back to the host. Tile sizes default by device; `logits_budget_bytes` bounds the
+    speed schedule's per-tile logits, beyond which "auto" picks memory.
+    """
+
+    def __init__(
+        self,
+        *,
+        compiled: bool = True,
+        schedule: str = "auto",
+        validate: bool = True,
+        token_tile: int | None = None,
+        tail_tile: int | None = None,
+        vocab_tile: int | None = None,
+        logits_budget_bytes: int = 4 << 30,
+        process_group=None,
+        **settings,
+    ):
+        unknown = set(settings) - set(SETTING_NAMES)
+        if unknown:
+            raise TypeError(f"unknown setting(s): {sorted(unknown)}; settings are {SETTING_NAMES}")
+        self.config = GRPOLossConfig(**settings)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "speed" and self.config.uses_entropy_mask:
+            raise ValueError(
+                "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "
+                "token's entropy before any gradient can be formed; use schedule='memory' (or 'auto')"
+            )
+        for name, v in (("token_tile", token_tile), ("tail_tile", tail_tile), ("vocab_tile", vocab_tile)):
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.schedule = schedule
+        self.validate = validate
+        self.tile_sizes = (token_tile, tail_tile, vocab_tile)
+        self.logits_budget_bytes = logits_budget_bytes
+        self.process_group = process_group
+        self.kernels = fused.Kernels(compiled)
+
+    # ------------------------------------------------------------------ entry point
+    def __call__(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        advantages,
+        *,
+        bias=None,
+        old_per_token_logps=None,
+        ref_per_token_logps=None,
+        ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+        importance_sampling_ratio=None,
+        sampling_per_token_logps=None,
+        num_items_in_batch=None,
+        num_processes=None,
+        gradient_accumulation_steps=1,
+        steps_per_generation=None,
+        entropy_coef=None,
+    ) -> GRPOLossOutput:
+        cfg = self.config
+        per_token = {
+            "old_per_token_logps": old_per_token_logps,
+            "ref_per_token_logps": ref_per_token_logps,
+            "sampling_per_token_logps": sampling_per_token_logps,
+        }
+        validation.check_shapes(
+            hidden,
+            weight,
+            completion_ids,
+            completion_mask,
+            advantages,
+            bias,
+            per_token,
+            importance_sampling_ratio,
+            ref_hidden,
+            ref_weight,
+        )
+        if cfg.beta != 0.0 and ref_per_token_logps is None and ref_hidden is None and ref_weight is None:
+            raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
+        if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
+            raise ValueError("gradient_accumulation_steps and steps_per_generation must be positive")
+        if self.validate:
+            validation.check_values(
+                completion_ids, completion_mask, advantages, weight.shape[0], per_token, importance_sampling_ratio
+            )
+        if cfg.beta != 0.0 and ref_per_token_logps is None:
+            ref_per_token_logps = self._reference_logps(
+                hidden if ref_hidden is None else ref_hidden,
+                weight if ref_weight is None else ref_weight,
+                bias if ref_weight is None else ref_bias,
+                completion_ids,
+                completion_mask,
+            )
+        dtype = streaming.stat_dtype(hidden)
+        batch = objectives.make_batch(
+            completion_mask,
+            advantages,
+            dtype,
+            old=old_per_token_logps,
+            ref=ref_per_token_logps,
+            is_ratio=importance_sampling_ratio,
+            sampling=sampling_per_token_logps,
+        )
+        gas = gradient_accumulation_steps
+        run = dict(
+            gas=gas,
+            spg=gas if steps_per_generation is None else steps_per_generation,
+            num_items=num_items_in_batch,
+            num_processes=distributed.world_size(self.process_group) if num_processes is None else num_processes,
+            entropy_coef=cfg.entropy_coef if entropy_coef is None else entropy_coef,
+        )
+        tile, tail, vocab_tile = self._tiles(hidden.device)
+        plan = self._speed_plan(completion_mask, tile, tail, weight)
+        if plan is not None:
+            return self._speed(hidden, weight, bias, completion_ids, batch, plan, run, vocab_tile)
+        plan = tiling.plan_tokens(completion_mask, tile, tail)
+        return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, vocab_tile)
+
+    # ------------------------------------------------------------------ pieces
+    def _tiles(self, device):
+        defaults = default_tiles(device)
+        return tuple(d if v is None else v for v, d in zip(self.tile_sizes, defaults, strict=True))
+
+    def _speed_plan(self, mask, tile, tail, weight):
+        """The speed schedule's tile plan, or None where the memory schedule runs."""
+        if self.schedule == "memory" or self.config.uses_entropy_mask:
+            return None
+        if self.schedule == "auto":
+            logits_bytes = 3 * 4 * tile * weight.shape[0]  # logits, probabilities and their gradient in fp32
+            grads_bytes = 4 * weight.numel() if weight.requires_grad else 0
+            if logits_bytes + grads_bytes > self.logits_budget_bytes:
+                return None
+        if not self.config.couples_sequence:
+            return tiling.plan_tokens(mask, tile, tail)
+        plan = tiling.plan_whole_rows(mask, tile)
+        if plan is None and self.schedule == "speed":
+            raise ValueError(
+                f"schedule='speed' with a sequence-level objective needs whole rows in a token tile; a row has more "
+                f"than token_tile={tile} active tokens: raise token_tile or use schedule='memory'"
+            )
+        return plan
+
+    def _slots(self, hidden, ids, plan):
+        x = tiling.to_slots(hidden.reshape(-1, hidden.shape[-1]), plan, fill=None)
+        targets = tiling.to_slots(ids.reshape(-1).long(), plan, fill=0)
+        return x, targets
+
+    def _reference_logps(self, hidden, weight, bias, ids, mask):
+        tile, tail, _ = self._tiles(hidden.device)
+        plan = tiling.plan_tokens(mask, tile, tail)
+        head = fused.head_values(self.config, streaming.stat_dtype(hidden), hidden.device)
+        with torch.no_grad():
+            x, targets = self._slots(hidden.detach(), ids, plan)
+            logp, _, _ = fused.statistics_pass(
+                self.kernels,
+                x,
+                weight.detach(),
+                None if bias is None else bias.detach(),
+                targets,
+                head,
+                self.config.final_logit_softcapping is not None,
+                plan.tiles,
+            )
+            return tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
+
+    def _finish(self, logp, entropy, batch, entropy_mask, norms, run):
+        """Loss value and metrics from the whole batch's per-token statistics."""
+        cfg = self.config
+        loss, policy = objectives.loss_of_rows(logp, entropy, batch, cfg, norms, entropy_mask, run["entropy_coef"])
+        bonus_on = not (isinstance(run["entropy_coef"], float) and run["entropy_coef"] == 0.0)
+        metrics = objectives.metrics(
+            logp, entropy, batch, cfg, entropy_mask, policy, bonus_on, run["gas"], self.process_group
+        )
+        return loss, metrics
+
+    def _normalizers(self, batch, entropy_mask, run):
+        return objectives.make_normalizers(
+            batch,
+            self.config,
+            entropy_mask,
+            num_items=run["num_items"],
+            num_processes=run["num_processes"],
+            gas=run["gas"],
+            spg=run["spg"],
+            group=self.process_group,
+        )
+
+    def _memory(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile):
+        cfg = self.config
+        mask = batch.mask
+        head = fused.head_values(cfg, mask.dtype, hidden.device)
+        x, targets = self._slots(hidden, ids, plan)
+        softcap = cfg.final_logit_softcapping is not None
+        logp_s, entropy_s = fused.StreamedStatistics.apply(
+            x, weight, bias, targets, head, self.kernels, softcap, plan.tiles, vocab_tile
+        )
+        logp = tiling.from_slots(logp_s, plan, mask.numel()).view(mask.shape)
+        entropy = tiling.from_slots(entropy_s, plan, mask.numel()).view(mask.shape)
+        entropy_mask = None
+        if cfg.uses_entropy_mask:
+            entropy_mask = quantile.high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, self.process_group)
+        em = None if entropy_mask is None else entropy_mask.to(mask.dtype)
+        norms = self._normalizers(batch, em, run)
+        loss, metrics = self._finish(logp, entropy, batch, em, norms, run)
+        return GRPOLossOutput(loss, metrics, logp.detach(), entropy.detach(), entropy_mask)
+
+    def _speed(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile):
+        cfg = self.config
+        mask = batch.mask
+        B, T = mask.shape
+        head = fused.head_values(cfg, mask.dtype, hidden.device)
+        norms = self._normalizers(batch, None, run)
+        slot_to_flat = plan.source
+        logp_flat = torch.zeros(B * T, dtype=mask.dtype, device=mask.device)
+        entropy_flat = torch.zeros_like(logp_flat)
+
+        def gradient_of_tile(s, n, logp_slots, entropy_slots):
+            """d loss / d (logp, entropy) for the tokens of slots s..s+n, from the objective on [B,T]."""
+            rows = plan.valid[s : s + n]
+            where = slot_to_flat[s : s + n][rows]
+            logp_flat[where] = logp_slots[s : s + n][rows]
+            entropy_flat[where] = entropy_slots[s : s + n][rows]
+            lp = logp_flat.detach().clone().requires_grad_()
+            h = entropy_flat.detach().clone().requires_grad_()
+            loss, _ = objectives.loss_of_rows(lp.view(B, T), h.view(B, T), batch, cfg, norms, None, run["entropy_coef"])
+            g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True)
+            g_lp = torch.zeros_like(lp) if g_lp is None else g_lp
+            g_h = torch.zeros_like(h) if g_h is None else g_h
+            valid = plan.valid[s : s + n]
+            src = slot_to_flat[s : s + n]
+            return torch.where(valid, g_lp[src], 0.0), torch.where(valid, g_h[src], 0.0)
+
+        x, targets = self._slots(hidden.detach(), ids, plan)
+        need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
+        _, _, dx_s, dw, db = fused.speed_pass(
+            self.kernels,
+            x,
+            weight.detach(),
+            None if bias is None else bias.detach(),
+            targets,
+            head,
+            cfg.final_logit_softcapping is not None,
+            plan.tiles,
+            gradient_of_tile,
+            need_w,
+            need_b,
+        )
+        d_hidden = torch.zeros(B * T, hidden.shape[-1], dtype=dx_s.dtype, device=dx_s.device)
+        d_hidden.index_add_(0, plan.source[plan.valid], dx_s[plan.valid])
+        logp, entropy = logp_flat.view(B, T), entropy_flat.view(B, T)
+        value, metrics = self._finish(logp, entropy, batch, None, norms, run)
+        loss = fused.PrecomputedGradients.apply(
+            value,
+            hidden,
+            weight,
+            bias,
+            d_hidden.view(hidden.shape).to(hidden.dtype) if hidden.requires_grad else None,
+            dw.to(weight.dtype) if need_w else None,
+            db.to(bias.dtype) if need_b else None,
+        )
+        return GRPOLossOutput(loss, metrics, logp, entropy, None)
+
+
+def fused_linear_grpo_loss(
+    hidden,
+    weight,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    compiled=False,
+    schedule="auto",
+    validate=True,
+    **kwargs,
+) -> GRPOLossOutput:
+    """Functional form: settings and call inputs as keywords. Builds the loss each call (compiled tiles are
+    cached by torch.compile across calls with the same shapes)."""
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTING_NAMES}
+    loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=validate, **settings)
+    return loss_fn(hidden, weight, completion_ids, completion_mask, advantages, **kwargs)

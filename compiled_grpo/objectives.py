@@ -1,0 +1,240 @@
+"""The GRPO loss family on [B,T] tensors: no vocabulary dimension, plain differentiable torch.
+
+The math of every loss type lives here (SEMANTICS.md restates TRL 1.16.0's `_compute_loss`):
+- ratio r = logp - old; token level log_w = r [B,T]; sequence level log_w = sum_t m r / max(L_i, 1) [B,1].
+- grpo, bnpo, dr_grpo, dapo, luspo: l = -min(c1 A, clamp(c1, 1 - eps_low, 1 + eps_high) A), c1 = exp(log_w)
+  capped at delta (when set) after the clamp is taken.
+- cispo: l = -detach(min(c1, eps_high)) A logp.     sapo: l = -(4 / tau) sigmoid(tau (c1 - 1)) A.
+- vespo: l = -phi A logp, phi a gradient-free gamma weight of the clamped summed log-ratio (`vespo_phi`).
+- then l *= OPSM keep, *= entropy mask, *= IS ratio (not vespo), += beta * KL (k3, times c1 with bias correction).
+- normalizers (`Normalizers`): grpo/sapo mean over rows of the row mean; bnpo token mean; dr_grpo sum over
+  B * max_completion_length; dapo/cispo/vespo sum over N / P * gas / spg; luspo mean over rows of the row sum;
+  all divided by gas (dapo's gas is inside its normalizer). Entropy bonus: -c * mean(H over m * mask_H) / gas.
+
+`loss_of_rows` computes the contribution of any subset of whole rows with the batch-global normalizers, so the
+speed schedule can take gradients tile by tile and the sum over tiles equals the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import distributed
+from .config import CLIPPED_LOSSES, TOKEN_COUNT_NORMALIZED, GRPOLossConfig
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The objective's [B,T] inputs in the statistics dtype, masked positions made harmless."""
+
+    mask: torch.Tensor  # [B,T] float 0/1
+    advantages: torch.Tensor  # [B,1] or [B,T]
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None  # [B,1] or [B,T]; masked positions 1
+    is_ratio_vespo: torch.Tensor | None = None  # as given: vespo sums its log over all T positions (as TRL)
+    sampling: torch.Tensor | None = None  # NaN allowed at active positions (unscored by vLLM)
+
+    def rows(self, start: int, stop: int) -> Batch:
+        cut = lambda t: None if t is None else t[start:stop]
+        return Batch(*(cut(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """Batch-global denominators, fixed before any tile is seen."""
+
+    rows: int  # B
+    tokens: torch.Tensor  # max(sum m, 1)
+    items: torch.Tensor  # max(N, 1) / P * gas / spg
+    gas: float
+    bonus_tokens: torch.Tensor  # max(sum m * mask_H, 1)
+
+
+def make_batch(mask, advantages, dtype, *, old=None, ref=None, is_ratio=None, sampling=None) -> Batch:
+    active = mask.bool()
+    keep = lambda t, fill: None if t is None else torch.where(active, t.to(dtype), fill)
+    adv = advantages.to(dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(active, adv, 0.0)
+    ratio = None if is_ratio is None else is_ratio.to(dtype)
+    ratio = ratio.unsqueeze(1) if ratio is not None and ratio.dim() == 1 else ratio
+    ratio_masked = ratio if ratio is None or ratio.shape[1] == 1 else torch.where(active, ratio, 1.0)
+    return Batch(
+        mask=active.to(dtype),
+        advantages=adv,
+        old=keep(old, 0.0),
+        ref=keep(ref, 0.0),
+        is_ratio=ratio_masked,
+        is_ratio_vespo=ratio,
+        sampling=None if sampling is None else sampling.to(dtype),
+    )
+
+
+def make_normalizers(batch: Batch, cfg, entropy_mask, *, num_items, num_processes, gas, spg, group=None):
+    m = batch.mask
+    if num_items is None:  # every micro-batch of the generation batch, every rank
+        num_items = spg * distributed.all_sum(m.sum(), group)
+    items = torch.as_tensor(num_items, dtype=m.dtype, device=m.device).clamp(min=1.0) / num_processes * gas / spg
+    e = m if entropy_mask is None else m * entropy_mask
+    return Normalizers(
+        rows=m.shape[0],
+        tokens=m.sum().clamp(min=1.0),
+        items=items,
+        gas=gas,
+        bonus_tokens=e.sum().clamp(min=1.0),
+    )
+
+
+# ---------------------------------------------------------------- per-token pieces
+def by_sign(condition, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
+    """A constant chosen by the advantage's sign, in `like`'s dtype (exact, where TRL rounds it to float32)."""
+    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+
+
+def log_importance_weights(logp, old, mask, level: str) -> torch.Tensor:
+    r = logp - old
+    if level == "token":
+        return r
+    return ((r * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+@torch.no_grad()
+def vespo_phi(adv, log_ratio, mask, is_ratio, cfg: GRPOLossConfig) -> torch.Tensor:
+    """phi = exp(lam + k lw - lam e^lw) with lw the clamped summed log-ratio (+ clamped log IS ratio)."""
+    low = math.log(1e-8)
+    lw = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        lw = lw + torch.log(is_ratio).clamp(low, 20.0).sum(-1, keepdim=True)
+    lw = lw.clamp(low, 20.0)
+    nonneg = adv >= 0
+    k = by_sign(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg, lw)
+    lam = by_sign(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, lw).clamp(min=1e-4)
+    return torch.exp(lam + k * lw - lam * torch.exp(lw)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def off_policy_keep(adv, logp, sampling, mask, threshold: float) -> torch.Tensor:
+    kl = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
+    kl = torch.where(mask > 0, kl, 0.0)
+    seq_kl = kl.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (seq_kl <= threshold)).to(logp.dtype)
+
+
+def per_token_loss(logp, batch: Batch, cfg: GRPOLossConfig, entropy_mask) -> tuple[torch.Tensor, dict]:
+    """The per-token loss l ([B,T] or [B,1]) and what the metrics read (capped ratio, phi, KL)."""
+    adv, mask = batch.advantages, batch.mask
+    old = logp.detach() if batch.old is None else batch.old
+    coef_1 = torch.exp(log_importance_weights(logp, old, mask, cfg.importance_sampling_level))
+    seen = {}
+    if cfg.loss_type == "cispo":
+        loss = -coef_1.clamp(max=cfg.eps_high).detach() * adv * logp
+        seen["coef_1"] = coef_1
+    elif cfg.loss_type == "sapo":
+        tau = by_sign(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, coef_1)
+        loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+    elif cfg.loss_type == "vespo":
+        phi = vespo_phi(adv, logp - old, mask, batch.is_ratio_vespo, cfg)
+        loss = -phi * adv * logp
+        seen["phi"] = phi
+    else:
+        coef_2 = coef_1.clamp(1 - cfg.epsilon_low, 1 + cfg.eps_high)
+        capped = coef_1 if cfg.delta is None else coef_1.clamp(max=cfg.delta)
+        loss = -torch.min(capped * adv, coef_2 * adv)
+        seen["coef_1"] = capped
+    if cfg.off_policy_mask_threshold is not None:
+        sampling = old if batch.sampling is None else batch.sampling
+        loss = loss * off_policy_keep(adv, logp, sampling, mask, cfg.off_policy_mask_threshold)
+    if entropy_mask is not None:
+        loss = loss * entropy_mask
+    if batch.is_ratio is not None and cfg.loss_type != "vespo":
+        loss = loss * batch.is_ratio
+    if cfg.beta != 0.0:
+        d = batch.ref - logp
+        kl = torch.exp(d) - d - 1
+        kl = kl * coef_1 if cfg.use_bias_correction_kl else kl
+        loss = loss + cfg.beta * kl
+        seen["kl"] = kl
+    return loss, seen
+
+
+def reduce_rows(loss, mask, cfg: GRPOLossConfig, n: Normalizers) -> torch.Tensor:
+    """These rows' share of the normalized policy loss."""
+    masked = loss * mask
+    if cfg.loss_type in ("grpo", "sapo"):
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / (n.rows * n.gas)
+    if cfg.loss_type == "bnpo":
+        return masked.sum() / n.tokens / n.gas
+    if cfg.loss_type == "dr_grpo":
+        return masked.sum() / (n.rows * cfg.max_completion_length) / n.gas
+    if cfg.loss_type == "luspo":
+        return masked.sum() / (n.rows * n.gas)
+    return masked.sum() / n.items
+
+
+def bonus_of_rows(entropy, mask, entropy_mask, n: Normalizers) -> torch.Tensor:
+    e = mask if entropy_mask is None else mask * entropy_mask
+    return (entropy * e).sum() / n.bonus_tokens / n.gas
+
+
+def loss_of_rows(logp, entropy, batch, cfg, norms, entropy_mask, entropy_coef) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, policy loss) of a set of whole rows; summing over a partition of the rows gives the batch's."""
+    loss, _ = per_token_loss(logp, batch, cfg, entropy_mask)
+    policy = reduce_rows(loss, batch.mask, cfg, norms)
+    if isinstance(entropy_coef, float) and entropy_coef == 0.0:
+        return policy, policy
+    return policy - entropy_coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
+
+
+# ---------------------------------------------------------------- metrics
+def _is_per_sequence(x, mask) -> bool:
+    # TRL tests x.shape[1] == 1 alone; with T = 1 that would average masked rows too, so T = 1 is masked here.
+    return x.shape[1] == 1 and mask.shape[1] > 1
+
+
+def masked_mean(x, mask, group=None) -> torch.Tensor:
+    if _is_per_sequence(x, mask):
+        totals = torch.stack([x.sum(), x.new_tensor(float(x.shape[0]))])
+    else:
+        totals = torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)])
+    totals = distributed.all_sum(totals.detach(), group)
+    return totals[0] / totals[1].clamp(min=1.0)
+
+
+def _sequence_extreme(x, mask, pick, group=None) -> torch.Tensor:
+    per_row = x.squeeze(1) if _is_per_sequence(x, mask) else (x * mask).sum(-1) / mask.sum(-1)
+    per_row = distributed.gather_ragged(per_row.detach(), group)
+    per_row = per_row[~torch.isnan(per_row)]
+    return pick(per_row) if per_row.numel() else per_row.new_tensor(float("nan"))
+
+
+def metrics(logp, entropy, batch, cfg, entropy_mask, policy_loss, bonus_on: bool, gas, group=None) -> dict:
+    """TRL's logged metrics, each a 0-d tensor."""
+    with torch.no_grad():
+        _, seen = per_token_loss(logp.detach(), batch, cfg, entropy_mask)
+        m, adv = batch.mask, batch.advantages
+        out = {}
+        if "kl" in seen:
+            out["kl"] = masked_mean(seen["kl"], m, group)
+        out["entropy"] = masked_mean(entropy, m, group)
+        if cfg.loss_type in CLIPPED_LOSSES:
+            c1 = seen["coef_1"]
+            low = ((c1 < 1 - cfg.epsilon_low) & (adv < 0)).to(m.dtype)
+            high = ((c1 > 1 + cfg.eps_high) & (adv > 0)).to(m.dtype)
+            out["clip_ratio/low_mean"] = masked_mean(low, m, group)
+            out["clip_ratio/high_mean"] = masked_mean(high, m, group)
+            out["clip_ratio/region_mean"] = masked_mean(((low + high) > 0).to(m.dtype), m, group)
+            out["clip_ratio/low_min"] = _sequence_extreme(low, m, torch.min, group)
+            out["clip_ratio/high_max"] = _sequence_extreme(high, m, torch.max, group)
+        elif cfg.loss_type == "cispo":
+            clipped = ((seen["coef_1"] > cfg.eps_high) & (adv > 0)).to(m.dtype)
+            out["cispo_clip_ratio"] = masked_mean(clipped, m, group)
+        elif cfg.loss_type == "vespo":
+            out["vespo/phi_seq_mean"] = masked_mean(seen["phi"], m, group)
+        if bonus_on:
+            # TRL logs it before the gas division, except for the token-count normalized losses
+            scale = 1.0 if cfg.loss_type in TOKEN_COUNT_NORMALIZED else gas
+            ranks = distributed.world_size(group)
+            out["policy_loss"] = distributed.all_sum(policy_loss.detach() * scale, group) / ranks
+        return out

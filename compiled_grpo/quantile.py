@@ -1,0 +1,47 @@
+"""The batch-global entropy threshold of `top_entropy_quantile` (TRL's get_high_entropy_mask).
+
+tau = quantile(all active entropies as float32, over every rank, 1 - q) with linear interpolation, and
+mask = (H * m >= tau) & m. torch.quantile refuses more than 2**24 values; past that, the same interpolation
+from a sort, with the rank p * (n - 1) computed in float64 (float32 cannot index that far exactly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import distributed
+
+TORCH_QUANTILE_LIMIT = 2**24
+
+
+def linear_quantile(values: torch.Tensor, p: float) -> torch.Tensor:
+    """`torch.quantile(values, p)` for a 1-d float32 tensor of any length."""
+    n = values.numel()
+    if n <= TORCH_QUANTILE_LIMIT:
+        return torch.quantile(values, p)
+    pos = p * (n - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    # kthvalue is 1-based; two order statistics are cheaper than a full sort
+    v_lo = torch.kthvalue(values, lo + 1).values
+    v_hi = torch.kthvalue(values, hi + 1).values if hi != lo else v_lo
+    return torch.lerp(v_lo, v_hi, torch.tensor(pos - lo, dtype=values.dtype, device=values.device))
+
+
+def entropy_threshold(active_entropy: torch.Tensor, q: float, group=None) -> torch.Tensor | None:
+    """Threshold over this rank's active entropies and every other rank's; None when no rank has any."""
+    values = distributed.gather_ragged(active_entropy.detach().float(), group)
+    if values.numel() == 0:
+        return None
+    return linear_quantile(values, 1.0 - q)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, group=None) -> torch.Tensor:
+    """[B,T] bool: the active tokens whose entropy is at least the batch-global (1 - q) quantile."""
+    mask = mask.bool()
+    tau = entropy_threshold(entropy[mask], q, group)
+    if tau is None:
+        return torch.zeros_like(mask)
+    return (entropy.detach() * mask >= tau) & mask

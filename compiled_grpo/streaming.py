@@ -1,0 +1,106 @@
+"""lm_head tiles: fold a tile of logits into (logp, entropy, logsumexp), and turn it into its gradient.
+
+Pure torch, no data-dependent control flow and no host syncs: these are the functions `torch.compile`
+turns into kernels (`compiled=True`) or that run as they are (`compiled=False`). Every scalar that may change
+between calls arrives as a tensor (`head`: logit_scale, 1 / temperature, softcap), so new values never
+recompile; only the presence of a bias, of a softcap and of a weight gradient shape the graph.
+
+Logits of a tile: z = softcap(scale * (x @ W.T + b)) * inv_temp, in float32 from input-dtype GEMMs.
+Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
+  lse = m + log S,  H = log S - U / S  (no cancellation for huge logits or near-zero entropy),
+  logp = z[y] - lse.
+Gradient: p = exp(z - lse),  dz = g_logp (onehot(y) - p) - g_H p (z - lse + H),
+then through the softcap and scale: d raw = dz * scale * inv_temp * (1 - (z / (cap * inv_temp))**2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE, INV_TEMP, CAP = 0, 1, 2  # positions in the `head` tensor
+
+
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with float32 output, the product accumulated in float32 (16-bit inputs stay 16-bit on the GPU)."""
+    if a.dtype in (torch.float32, torch.float64):
+        return torch.mm(a, b).to(torch.promote_types(a.dtype, torch.float32))
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())  # CPU has no 16-bit GEMM with float32 output
+
+
+def stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def tile_logits(x, w, b, head, softcap: bool) -> torch.Tensor:
+    """z = softcap(scale * (x @ w.T + b)) * inv_temp for x [n,H], w [v,H]: [n,v] in float32 (float64 input: 64)."""
+    z = matmul_fp32(x, w.T)
+    if b is not None:
+        z = z + b.to(z.dtype)
+    z = z * head[SCALE]
+    if softcap:
+        z = head[CAP] * torch.tanh(z / head[CAP])
+    return z * head[INV_TEMP]
+
+
+def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
+    """(logp, entropy, lse) per row of a full-vocabulary logits tile z [n,V]."""
+    m = z.amax(-1, keepdim=True)
+    shifted = z - m
+    e = torch.exp(shifted)
+    s = e.sum(-1)
+    u = (e * shifted).sum(-1)
+    log_s = torch.log(s)
+    lse = m.squeeze(-1) + log_s
+    entropy = log_s - u / s
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return logp, entropy, lse
+
+
+def logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap: bool) -> torch.Tensor:
+    """d loss / d (x @ W.T + b) for a logits tile, given the loss's gradients w.r.t. logp and entropy."""
+    log_p = z - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    dz = g_logp.unsqueeze(-1) * (onehot.to(p.dtype) - p) - g_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+    scale = head[SCALE] * head[INV_TEMP]
+    if softcap:
+        t = z / (head[CAP] * head[INV_TEMP])
+        return dz * scale * (1 - t * t)
+    return dz * scale
+
+
+def statistics_tile(x, w, b, targets, head, softcap: bool):
+    """Stats pass of one token tile against the whole vocabulary: (logp, entropy, lse)."""
+    return fold_statistics(tile_logits(x, w, b, head, softcap), targets)
+
+
+def _input_grads(d_raw, x, w, need_w: bool, need_b: bool):
+    """dX [n,H] (float32), dW [v,H] (float32, or None) and db [v] for one tile's d raw-logits."""
+    d16 = d_raw.to(x.dtype)
+    dx = matmul_fp32(d16, w)
+    dw = matmul_fp32(d16.T, x) if need_w else None
+    db = d_raw.sum(0) if need_b else None
+    return dx, dw, db
+
+
+def statistics_and_logits_tile(x, w, b, targets, head, softcap: bool):
+    """Stats of one token tile that also hands back its logits, for a gradient on the same tile."""
+    z = tile_logits(x, w, b, head, softcap)
+    return fold_statistics(z, targets) + (z,)
+
+
+def gradient_from_logits_tile(z, x, w, targets, lse, entropy, g_logp, g_entropy, head, softcap, need_w, need_b):
+    """Gradient of one token tile from logits kept since its stats pass."""
+    onehot = targets.unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
+    d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
+    return _input_grads(d_raw, x, w, need_w, need_b)
+
+
+def gradient_vocab_tile(x, w_v, b_v, v0, targets, lse, entropy, g_logp, g_entropy, head, softcap, need_w):
+    """Memory schedule: recompute the logits of token tile x against vocabulary slice w_v (rows v0..v0+v)
+    and return that tile's contributions to dX, dW[v0:v0+v] and db[v0:v0+v]."""
+    z = tile_logits(x, w_v, b_v, head, softcap)
+    onehot = (targets - v0).unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
+    d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
+    return _input_grads(d_raw, x, w_v, need_w, b_v is not None)
