@@ -309,6 +309,9 @@ class FusedLinearGRPOLoss:
         return GRPOLossOutput(loss, metrics, logp, entropy, None)
 
 
+CONSTRUCTOR_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "logits_budget_bytes", "process_group")
+
+
 def fused_linear_grpo_loss(
     hidden,
     weight,
@@ -316,13 +319,13 @@ def fused_linear_grpo_loss(
     completion_mask,
     advantages,
     *,
-    compiled=False,
+    compiled=True,
     schedule="auto",
     validate=True,
     **kwargs,
 ) -> GRPOLossOutput:
-    """Functional form: settings and call inputs as keywords. Builds the loss each call (compiled tiles are
-    cached by torch.compile across calls with the same shapes)."""
-    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTING_NAMES}
-    loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=validate, **settings)
+    """Functional form: settings, tuning knobs and call inputs as keywords. Builds the loss on every call
+    (the compiled tiles are shared across calls by torch.compile's cache, keyed on shapes)."""
+    built = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTING_NAMES or k in CONSTRUCTOR_KNOBS}
+    loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=validate, **built)
     return loss_fn(hidden, weight, completion_ids, completion_mask, advantages, **kwargs)

@@ -1,0 +1,183 @@
+"""Bad settings and inputs raise a clear error naming the argument; edge batches give TRL's values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cases import assert_matches, make_inputs, run_fused, run_reference
+
+from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, GRPOLossConfig, fused_linear_grpo_loss
+
+TILES = {"token_tile": 64, "tail_tile": 8, "vocab_tile": 256}
+
+
+@pytest.mark.parametrize(
+    "settings, name",
+    [
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"importance_sampling_level": "batch"}, "importance_sampling_level"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
+        ({"top_entropy_quantile": -0.1}, "top_entropy_quantile"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"loss_type": "dr_grpo"}, "max_completion_length"),
+        ({"sapo_temperature_pos": 0.0}, "sapo_temperature_pos"),
+        ({"sapo_temperature_neg": -1.0}, "sapo_temperature_neg"),
+        ({"delta": 0.0}, "delta"),
+        ({"epsilon_low": -0.1}, "epsilon_low"),
+        ({"epsilon_high": -0.1}, "epsilon_high"),
+        ({"final_logit_softcapping": 0.0}, "final_logit_softcapping"),
+    ],
+)
+def test_bad_settings(settings, name):
+    with pytest.raises(ValueError, match=name):
+        FusedLinearGRPOLoss(**settings)
+    with pytest.raises(ValueError, match=name):
+        GRPOLossConfig(**settings)
+
+
+def test_unknown_setting_and_schedule():
+    with pytest.raises(TypeError, match="epsilon"):
+        FusedLinearGRPOLoss(epsilon=0.2)
+    with pytest.raises(ValueError, match="schedule"):
+        FusedLinearGRPOLoss(schedule="fast")
+
+
+def test_speed_with_entropy_quantile_says_why():
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        FusedLinearGRPOLoss(schedule="speed", top_entropy_quantile=0.2)
+
+
+def call(x, settings=None, **overrides):
+    x = {**x, **overrides}
+    args = [x.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    return FusedLinearGRPOLoss(compiled=False, **TILES, **(settings or {}))(*args, **x)
+
+
+def bad(x, name, **overrides):
+    with pytest.raises((ValueError, TypeError), match=name):
+        call(x, **overrides)
+
+
+def test_bad_inputs_name_the_argument():
+    x = make_inputs(dtype=torch.float32)
+    B, T, H = x["hidden"].shape
+    V = x["weight"].shape[0]
+    bad(x, "hidden", hidden=x["hidden"][0])
+    bad(x, "weight", weight=x["weight"][:, :-1])
+    bad(x, "weight", weight=x["weight"].double())
+    bad(x, "bias", bias=torch.zeros(V + 1))
+    bad(x, "completion_ids", completion_ids=x["completion_ids"][:, :-1])
+    bad(x, "completion_ids", completion_ids=x["completion_ids"].float())
+    bad(x, "completion_mask", completion_mask=x["completion_mask"][:-1])
+    bad(x, "advantages", advantages=torch.zeros(B + 1))
+    bad(x, "old_per_token_logps", old_per_token_logps=torch.zeros(B, T + 1))
+    bad(x, "importance_sampling_ratio", importance_sampling_ratio=torch.ones(B, 2))
+    bad(x, "ref_hidden", ref_hidden=x["hidden"][:, :-1])
+
+
+def test_bad_values_at_active_positions():
+    x = make_inputs(dtype=torch.float32)
+    m = x["completion_mask"].bool()
+    ids = x["completion_ids"].clone()
+    ids[0, 0] = x["weight"].shape[0]
+    bad(x, "completion_ids", completion_ids=ids)
+    ids[0, 0] = -1
+    bad(x, "completion_ids", completion_ids=ids)
+    bad(x, "completion_mask", completion_mask=x["completion_mask"] * 2)
+    adv = x["advantages"].clone()
+    adv[0] = float("nan")
+    bad(x, "advantages", advantages=adv)
+    old = x["old_per_token_logps"].clone()
+    old[0, 0] = float("inf")
+    bad(x, "old_per_token_logps", old_per_token_logps=old)
+    ratio = torch.ones_like(old)
+    ratio[0, 0] = -0.5
+    bad(x, "importance_sampling_ratio", importance_sampling_ratio=ratio)
+    with pytest.raises(ValueError, match="ref_per_token_logps"):
+        call(x, {"beta": 0.1})
+    # masked positions may hold anything; NaN sampling log-probs are "unscored" and allowed when active
+    poisoned = torch.where(m, x["old_per_token_logps"], float("nan"))
+    ids = torch.where(m, x["completion_ids"], 10**9)
+    sampling = torch.full_like(poisoned, float("nan"))
+    out = call(x, {"off_policy_mask_threshold": 0.1}, old_per_token_logps=poisoned, completion_ids=ids,
+               sampling_per_token_logps=sampling)  # fmt: skip
+    assert torch.isfinite(out.loss)
+
+
+def test_validate_false_skips_host_checks():
+    x = make_inputs(dtype=torch.float32)
+    adv = x["advantages"].clone()
+    adv[0] = float("nan")
+    x.pop("advantages")
+    args = [x.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask")]
+    FusedLinearGRPOLoss(compiled=False, validate=False, **TILES)(*args, adv, **x)  # no error raised
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("schedule", ["memory", "speed"])
+@pytest.mark.parametrize("edge", ["all masked", "one token", "zero advantages", "masked rows"])
+def test_edge_batches_match_reference(loss_type, schedule, edge):
+    x = make_inputs(seed=5, dtype=torch.float64, B=4, T=9)
+    m = x["completion_mask"]
+    if edge == "all masked":
+        x["completion_mask"] = torch.zeros_like(m)
+    elif edge == "one token":
+        x["completion_mask"] = torch.zeros_like(m)
+        x["completion_mask"][2, 4] = 1
+    elif edge == "zero advantages":
+        x["advantages"] = torch.zeros_like(x["advantages"])
+    else:
+        x["completion_mask"][1:3] = 0
+    settings = {"loss_type": loss_type, "max_completion_length": 9, "entropy_coef": 0.02}
+    if schedule == "memory":
+        settings["top_entropy_quantile"] = 0.5
+    ref, ref_grads = run_reference(x, settings)
+    out, out_grads = run_fused(FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **settings), x)
+    assert math.isfinite(float(out.loss.detach()))
+    if edge == "all masked":
+        assert float(out.loss.detach()) == 0.0
+        if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            assert math.isnan(float(out.metrics["clip_ratio/low_min"]))  # as TRL reports it
+    assert_matches(out, out_grads, ref, ref_grads, rtol=1e-10)
+
+
+def test_frozen_lm_head_skips_its_gradient():
+    x = make_inputs(dtype=torch.float32, bias=True)
+    for schedule in ("memory", "speed"):
+        h = x["hidden"].clone().requires_grad_()
+        w, b = x["weight"].clone(), x["bias"].clone()
+        loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES)
+        out = loss_fn(h, w, x["completion_ids"], x["completion_mask"], x["advantages"], bias=b)
+        out.loss.backward()
+        assert h.grad is not None and w.grad is None and b.grad is None
+
+
+def test_reference_logps_streamed_from_a_reference_head():
+    """beta != 0 without ref_per_token_logps: computed from ref_hidden / ref_weight (no grad)."""
+    x = make_inputs(dtype=torch.float64, seed=8)
+    g = torch.Generator().manual_seed(9)
+    ref_hidden = x["hidden"] + 0.1 * torch.randn(x["hidden"].shape, generator=g, dtype=torch.float64)
+    ref_weight = x["weight"] + 0.05 * torch.randn(x["weight"].shape, generator=g, dtype=torch.float64)
+    for rh, rw in ((ref_hidden, None), (ref_hidden, ref_weight), (None, ref_weight)):
+        ref_logps = run_reference(
+            {**x, "hidden": x["hidden"] if rh is None else rh, "weight": x["weight"] if rw is None else rw}, {}
+        )[0].per_token_logps
+        settings = {"beta": 0.1}
+        expected, expected_grads = run_reference({**x, "ref_per_token_logps": ref_logps}, settings)
+        loss_fn = FusedLinearGRPOLoss(compiled=False, **TILES, **settings)
+        out, out_grads = run_fused(loss_fn, x, ref_hidden=rh, ref_weight=rw)
+        assert_matches(out, out_grads, expected, expected_grads, rtol=1e-10)
+
+
+def test_functional_form_and_per_call_entropy_coef():
+    x = make_inputs(dtype=torch.float64)
+    a = run_reference(x, {"entropy_coef": 0.3})[0]
+    y = dict(x)
+    args = [y.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    b = fused_linear_grpo_loss(*args, **y, entropy_coef=0.3, token_tile=64, compiled=False)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-10, atol=1e-12)
+    c = FusedLinearGRPOLoss(compiled=False, entropy_coef=0.0)(*args, **y, entropy_coef=0.3)
+    torch.testing.assert_close(c.loss, a.loss, rtol=1e-10, atol=1e-12)
