@@ -63,9 +63,8 @@ def main(argv=None):
     q = FusedLinearGRPOLoss(compiled=True, schedule="memory", top_entropy_quantile=0.2, validate=False)
     rows.append(("memory, compiled, q=0.2", fused(q)))
     floor_ms = None
-    print(
-        f"B={a.batch} T={a.seq} H={a.hidden} V={a.vocab} bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}"
-    )
+    gpu = torch.cuda.get_device_name()
+    print(f"B={a.batch} T={a.seq} H={a.hidden} V={a.vocab} bf16 on {gpu}, torch {torch.__version__}")
     for name, fn in rows:
         torch.cuda.reset_peak_memory_stats()
         ms = cuda_median_ms(fn)
