@@ -83,7 +83,21 @@ class FusedLinearGRPOLoss:
         self.kernels = fused.Kernels(compiled)
 
     # ------------------------------------------------------------------ entry point
-    def __call__(
+    def __call__(self, hidden, weight, completion_ids, completion_mask, advantages, **inputs) -> GRPOLossOutput:
+        """Inputs as in SEMANTICS.md (see `_call` for the keywords). Under autocast, the lm_head GEMMs run in the
+        autocast dtype (as TRL's fused head does): fp32 master weights still get 16-bit GEMMs, and their
+        gradients come back in fp32 through the cast."""
+        device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            hidden, weight = cast(hidden), cast(weight)
+            for k in ("bias", "ref_hidden", "ref_weight", "ref_bias"):
+                inputs[k] = cast(inputs.get(k))
+        with torch.autocast(device_type, enabled=False):
+            return self._call(hidden, weight, completion_ids, completion_mask, advantages, **inputs)
+
+    def _call(
         self,
         hidden,
         weight,

@@ -181,3 +181,21 @@ def test_functional_form_and_per_call_entropy_coef():
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-10, atol=1e-12)
     c = FusedLinearGRPOLoss(compiled=False, entropy_coef=0.0)(*args, **y, entropy_coef=0.3)
     torch.testing.assert_close(c.loss, a.loss, rtol=1e-10, atol=1e-12)
+
+
+def test_autocast_runs_the_gemms_in_the_autocast_dtype():
+    """fp32 master weights under bf16 autocast: the same as bf16 inputs, with fp32 gradients for the weight."""
+    x = make_inputs(dtype=torch.float32, seed=4, H=32)
+    y = dict(x)
+    args = [y.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    loss_fn = FusedLinearGRPOLoss(compiled=False, **TILES)
+    w32 = args[1].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = loss_fn(args[0], w32, *args[2:], **y)
+    a.loss.backward()
+    w16 = args[1].to(torch.bfloat16).requires_grad_()
+    b = loss_fn(args[0].to(torch.bfloat16), w16, *args[2:], **y)
+    b.loss.backward()
+    assert w32.grad.dtype == torch.float32
+    torch.testing.assert_close(a.loss, b.loss)
+    torch.testing.assert_close(w32.grad, w16.grad.float())
