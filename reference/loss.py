@@ -39,6 +39,7 @@ def grpo_loss(
     num_processes=None,
     gradient_accumulation_steps=1,
     steps_per_generation=None,
+    entropy_mask_override=None,
     **settings,
 ) -> ReferenceOutput:
     """GRPO-family loss of one micro-batch from hidden states [B,T,H] and the lm_head W [V,H] (+ bias [V]).
@@ -66,6 +67,7 @@ def grpo_loss(
         num_processes=num_processes,
         gradient_accumulation_steps=gradient_accumulation_steps,
         steps_per_generation=steps_per_generation,
+        entropy_mask_override=entropy_mask_override,
         **settings,
     )
     return out
@@ -99,9 +101,13 @@ def grpo_objective(
     num_processes=None,
     gradient_accumulation_steps=1,
     steps_per_generation=None,
+    entropy_mask_override=None,
     **settings,
 ) -> ReferenceOutput:
-    """The loss from per-token log-probs and entropies [B,T] (differentiable), no lm_head involved."""
+    """The loss from per-token log-probs and entropies [B,T] (differentiable), no lm_head involved.
+
+    `entropy_mask_override` ([B,T] bool) replaces the computed top-entropy mask: the audit uses it to compare a
+    low-precision run whose entropies legitimately fell on the other side of the threshold."""
     s = make_settings(settings)
     if s.beta != 0.0 and ref_per_token_logps is None:
         raise ValueError("beta != 0 needs ref_per_token_logps (the reference model's per-token log-probs)")
@@ -124,6 +130,8 @@ def grpo_objective(
     old = logp.detach() if old_per_token_logps is None else as_float64(old_per_token_logps, mask_b, 0.0)
 
     entropy_mask = obj.high_entropy_mask(entropy, mask_b, s.top_entropy_quantile)
+    if entropy_mask_override is not None and entropy_mask is not None:
+        entropy_mask = entropy_mask_override.to(entropy_mask.device, entropy_mask.dtype) & mask_b
     log_w = obj.log_importance_weights(logp, old, mask, s.importance_sampling_level)
     coef_1 = torch.exp(log_w)
     metrics = {}

@@ -1,0 +1,98 @@
+"""`python -m audits`: the numerics audit of the fused GRPO loss, with a verdict and the evidence.
+
+    python -m audits                        # --quick: every loss type x IS level x quantile x dtype x mode
+    python -m audits --full                 # larger sizes, two seeds, more vocabulary sizes, 2**24+ ties
+    python -m audits --device cuda --out audit-report
+
+Exit status 0 when every cell passes, 1 when any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from compiled_grpo import LOSS_TYPES
+
+from . import entropy_audit, loss_audit, quantile_audit, report
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m audits", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the default: small sizes, one seed")
+    size.add_argument("--full", action="store_true", help="larger sizes, two seeds, more vocabularies")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    ap.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
+    ap.add_argument("--loss-types", default=",".join(LOSS_TYPES), help="comma-separated subset of loss types")
+    ap.add_argument("--only", default="loss,quantile,entropy", help="comma-separated audits to run")
+    ap.add_argument("--out", default="audit-report", help="folder for audit.md and the PNG plots")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    args.modes = tuple(m for m in args.modes.split(",") if m)
+    args.loss_types = tuple(t for t in args.loss_types.split(",") if t)
+    args.only = set(args.only.split(","))
+    bad = set(args.modes) - {"eager", "compiled"} or set(args.loss_types) - set(LOSS_TYPES)
+    if bad:
+        ap.error(f"unknown value(s): {sorted(bad)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and CI: do not squeeze the table
+    warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
+    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+    size, seeds = (loss_audit.FULL, (0, 1)) if args.full else (loss_audit.QUICK, (0,))
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks mean fp32 GEMMs
+    cells = loss_audit.loss_cells(args.loss_types, dtypes, args.modes) if "loss" in args.only else []
+    total = len(cells) * len(seeds)
+    total += quantile_audit.steps(args.full) if "quantile" in args.only else 0
+    total += entropy_audit.steps(args.full) if "entropy" in args.only else 0
+    started = time.time()
+    results = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("auditing", total=total)
+        advance = lambda: progress.advance(task)
+        if cells:
+            progress.update(task, description="loss cells (the first compiled cells compile the tiles)")
+            results += loss_audit.run(cells, size, args.device, seeds, advance)
+        if "quantile" in args.only:
+            progress.update(task, description="entropy threshold vs numpy / scipy")
+            results += quantile_audit.run(args.full, advance)
+        if "entropy" in args.only:
+            progress.update(task, description="streaming entropy vs scipy")
+            results += entropy_audit.run(args.full, advance)
+    report.print_table(results, console)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = [
+        f"- sweep: {'full' if args.full else 'quick'}; device {args.device}; dtypes {', '.join(dtypes)}; "
+        f"modes {', '.join(args.modes)}; loss types {', '.join(args.loss_types)}",
+        f"- loss batch: B={size.B}, T={size.T}, H={size.H}, V={size.V}, seeds {list(seeds)}",
+        f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}; "
+        f"{time.time() - started:.0f} s",
+    ]
+    plots = report.write_plots(results, out)
+    path = report.write_markdown(results, out, header, plots)
+    line = report.summary(results)
+    console.print(f"[bold {'green' if line.startswith('PASS') else 'red'}]{line}[/]")
+    console.print(f"report: {path} ({len(plots)} plots)")
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

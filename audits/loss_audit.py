@@ -1,0 +1,212 @@
+"""The loss audit: the fused loss against the float64 reference, one cell per
+loss type x IS level x top_entropy_quantile x dtype x mode (eager, compiled) x schedule (where valid).
+
+Each cell checks the loss, every metric, per-token logp and entropy, the entropy mask (tokens that differ, and
+whether each sits on the threshold within rounding), and the gradients of hidden, weight and bias.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+import reference
+from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss
+
+from . import tolerances
+from .results import CellResult
+
+reference_threshold = reference.objective.entropy_threshold
+
+QUANTILES = (1.0, 0.8, 0.5, 0.2)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LossCell:
+    loss_type: str
+    level: str
+    q: float
+    dtype: str
+    mode: str  # "eager" | "compiled"
+    schedule: str  # "memory" | "speed"
+
+    @property
+    def name(self) -> str:
+        return f"{self.loss_type:7s} {self.level:8s} q={self.q:<3} {self.dtype:8s} {self.mode:8s} {self.schedule}"
+
+    def settings(self, T: int) -> dict:
+        s = {
+            "loss_type": self.loss_type,
+            "importance_sampling_level": self.level,
+            "top_entropy_quantile": self.q,
+            "beta": 0.04,
+            "entropy_coef": 0.01,
+            "max_completion_length": T,
+        }
+        if self.loss_type == "cispo":
+            s["epsilon_high"] = 5.0  # cispo's cap is epsilon_high itself
+        return s
+
+
+def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "compiled")) -> list[LossCell]:
+    out = []
+    for loss_type, level, q, dtype, mode in itertools.product(
+        loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
+    ):
+        for schedule in ("memory", "speed") if q == 1.0 else ("memory",):
+            out.append(LossCell(loss_type, level, q, dtype, mode, schedule))
+    return out
+
+
+@dataclass(frozen=True)
+class Size:
+    B: int
+    T: int
+    H: int
+    V: int
+
+
+QUICK = Size(B=4, T=37, H=32, V=1021)
+FULL = Size(B=8, T=129, H=64, V=4099)
+
+
+def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """A micro-batch with padded tails, a fully masked row, off-policy old log-probs and a reference model."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, V = size.B, size.T, size.H, size.V
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.25).long()
+    mask[:, 0] = 1
+    mask[0, T // 2 :] = 0
+    mask[-1] = 0
+    x = {
+        "hidden": rn(B, T, H).to(dtype),
+        "weight": (rn(V, H) * 2 / math.sqrt(H)).to(dtype),
+        "bias": (rn(V) * 0.3).to(dtype),
+        "completion_ids": torch.randint(0, V, (B, T), generator=g),
+        "completion_mask": mask,
+        "advantages": rn(B),
+    }
+    with torch.no_grad():
+        logp = reference.grpo_loss(x["hidden"], x["weight"], x["completion_ids"], mask, x["advantages"],
+                                   bias=x["bias"]).per_token_logps  # fmt: skip
+    x["old_per_token_logps"] = logp + rn(B, T) * 0.15
+    x["ref_per_token_logps"] = logp + rn(B, T) * 0.3
+    return {k: v.to(device) for k, v in x.items()}
+
+
+HEAD = ("hidden", "weight", "bias")
+REST = ("completion_ids", "completion_mask", "advantages")
+
+
+def _leaves(x: dict, dtype=None) -> dict:
+    y = dict(x)
+    for k in HEAD:
+        t = x[k].detach()
+        y[k] = (t if dtype is None else t.to(dtype)).requires_grad_()
+    return y
+
+
+def _call(fn, y: dict, **extra):
+    args = [y[k] for k in HEAD[:2] + REST]
+    kwargs = {k: v for k, v in y.items() if k not in HEAD[:2] + REST}
+    out = fn(*args, **kwargs, **extra)
+    out.loss.backward()
+    return out, {k: y[k].grad for k in HEAD}
+
+
+def run_reference(x: dict, settings: dict, entropy_mask_override=None):
+    """float64 on the inputs as given (already rounded to the cell's dtype)."""
+    return _call(lambda *a, **k: reference.grpo_loss(*a, **k, **settings), _leaves(x, torch.float64),
+                 entropy_mask_override=entropy_mask_override)  # fmt: skip
+
+
+def run_naive_bf16(x: dict, settings: dict):
+    """Plain full-logits autograd in bf16, the way a user would write it (the three-way bound's baseline)."""
+    y = _leaves(x)
+    z = y["hidden"] @ y["weight"].T + y["bias"]
+    log_p = torch.log_softmax(z, dim=-1)
+    logp = log_p.gather(-1, y["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    inputs = {k: y[k] for k in ("old_per_token_logps", "ref_per_token_logps")}
+    out = reference.grpo_objective(logp.float(), entropy.float(), y["completion_mask"], y["advantages"], **inputs,
+                                   **settings)  # fmt: skip
+    out.loss.backward()
+    return out, {k: y[k].grad for k in HEAD}
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if b.numel() == 0:
+        return 0.0
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    diff = torch.where(both_nan, 0.0, (a - b).abs())
+    return float(diff.max() / max(float(b.abs().nan_to_num(0.0).max()), tolerances.FLOOR))
+
+
+def compare_masks(out, ref, mask, q: float, dtype: str, result: CellResult) -> bool:
+    """Record mask agreement; True when the masks differ only at tokens on the threshold (the reference is
+    then re-run with the fused mask so the rest of the cell compares like with like)."""
+    if ref.entropy_mask is None:
+        result.check("entropy_mask present", float(out.entropy_mask is not None), 0.0)
+        return False
+    diff = out.entropy_mask.cpu() != ref.entropy_mask.cpu()
+    flips = int(diff.sum())
+    if flips == 0:
+        result.check("entropy_mask tokens differing", 0, 0)
+        return False
+    tau = float(reference_threshold(ref.entropy, mask.bool(), q))
+    distance = (ref.entropy.cpu()[diff] - tau).abs() / max(1.0, abs(tau))
+    on_threshold = bool((distance <= tolerances.MASK_ON_THRESHOLD[dtype]).all())
+    result.notes.append(
+        f"{flips} token(s) on the other side of the threshold, max distance {float(distance.max()):.1e} "
+        f"({'within rounding' if on_threshold else 'NOT within rounding'})"
+    )
+    result.check("entropy_mask off-threshold flips", 0.0 if on_threshold else float(flips), 0.0)
+    return on_threshold
+
+
+def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
+    settings = cell.settings(size.T)
+    result = CellResult("loss", cell.name, params={**cell.__dict__})
+    loss_fn = FusedLinearGRPOLoss(compiled=cell.mode == "compiled", schedule=cell.schedule, **settings)
+    out, grads = _call(loss_fn, _leaves(x))
+    ref, ref_grads = run_reference(x, settings)
+    if compare_masks(out, ref, x["completion_mask"], cell.q, cell.dtype, result):
+        ref, ref_grads = run_reference(x, settings, entropy_mask_override=out.entropy_mask)
+    tol = tolerances.for_dtype(cell.dtype)
+    result.check("loss", relative_error(out.loss, ref.loss), tol["loss"])
+    missing = set(ref.metrics) ^ set(out.metrics)
+    result.check("metric names", float(len(missing)), 0.0)
+    for name in sorted(set(ref.metrics) & set(out.metrics)):
+        result.check(f"metric {name}", relative_error(out.metrics[name], ref.metrics[name]), tol["metric"])
+    result.check("logp", relative_error(out.per_token_logps, ref.per_token_logps), tol["logp"])
+    result.check("entropy", relative_error(out.entropy, ref.entropy), tol["entropy"])
+    naive_grads = run_naive_bf16(x, settings)[1] if cell.dtype == "bfloat16" else None
+    for k in HEAD:
+        err = relative_error(grads[k], ref_grads[k])
+        if naive_grads is None:
+            bound = tol["gradient"]
+        else:
+            naive = relative_error(naive_grads[k], ref_grads[k])
+            bound = min(naive + tolerances.BF16_GRADIENT_SLACK, tolerances.BF16_GRADIENT_CEILING)
+        result.check(f"d {k}", err, bound)
+    result.params["errors"] = {c.what: c.error for c in result.checks}
+    return result
+
+
+def run(cells: list[LossCell], size: Size, device: str, seeds=(0,), advance=lambda: None) -> list[CellResult]:
+    batches = {(d, s): make_batch(size, DTYPES[d], device, seed=s) for d in {c.dtype for c in cells} for s in seeds}
+    results = []
+    for seed in seeds:
+        for cell in cells:
+            r = audit_cell(cell, batches[(cell.dtype, seed)], size, device)
+            if len(seeds) > 1:
+                r.name += f" seed={seed}"
+            results.append(r)
+            advance()
+    return results

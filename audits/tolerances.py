@@ -1,0 +1,57 @@
+"""Every tolerance of the audit, written down once, with its reason.
+
+Errors are relative to the quantity's largest magnitude over the batch (max |fused - ref| / max |ref|), so an
+entry that happens to be near zero cannot make a relative error meaningless; a floor keeps exactly-zero
+quantities (a loss of 0 on an all-zero advantage batch) from dividing by zero.
+"""
+
+from __future__ import annotations
+
+FLOOR = 1e-6
+
+# float32: statistics are accumulated in float32 over the vocabulary (log-sum-exp of ~1e3..1e5 terms), so
+# per-token logp and entropy carry ~1e-6 relative rounding; the loss and metrics are sums over tokens of those.
+# Gradients add one float32 GEMM over H or over the active tokens (~1e-6 each, a few ulps over the sum).
+FP32 = {
+    "loss": 1e-5,  # float32 sums of per-token terms, each ~1e-6 relative
+    "metric": 1e-5,  # masked means of float32 quantities (counts are exact unless a token sits on a clip bound)
+    "logp": 1e-5,
+    "entropy": 1e-5,
+    "gradient": 3e-5,  # float32 GEMMs over H and over N tokens: error grows with sqrt(N) ulps
+}
+
+# bf16: the reference is taken on the bf16-rounded inputs (input rounding is no implementation's fault).
+# Statistics are float32 accumulations of products of bf16 inputs, so logp/entropy/loss stay near float32
+# accuracy. Gradients go through bf16 GEMMs (the logits' gradient is rounded to bf16, 2**-8 relative, before
+# the dX and dW products), so they are held to a three-way bound instead: no further from the float64 truth
+# than plain full-logits autograd in bf16 (what a user would write), plus BF16_GRADIENT_SLACK of the scale.
+BF16 = {
+    "loss": 2e-5,
+    "metric": 2e-5,
+    "logp": 1e-5,
+    "entropy": 1e-5,
+    "gradient": None,  # three-way, see BF16_GRADIENT_SLACK
+}
+BF16_GRADIENT_SLACK = 2e-3
+# ... and never looser than this: naive bf16 can be off by 100% where its rounded log-probs cross a clip bound,
+# which would make the three-way bound say nothing. Rounding the logits' gradient to bf16 (3.9e-3 relative per
+# element) before float32-accumulated GEMMs gives a few times 2**-8 at most.
+BF16_GRADIENT_CEILING = 1.5e-2
+
+# An entropy-mask difference is legitimate only for a token whose entropy lies within rounding of the
+# threshold: float32 statistics (fp32 and bf16 runs alike) put ~1e-6 relative error on each entropy.
+MASK_ON_THRESHOLD = {"float32": 1e-5, "bfloat16": 1e-4}
+
+# Quantile audit: the threshold is computed in float32 (torch.quantile's own dtype) from float32 values, and
+# compared with numpy / scipy in float64 on the same float32 values: one float32 rounding of the interpolation.
+QUANTILE = 2e-7  # relative to max(|value range|, 1e-30), i.e. about 2 float32 ulps
+
+# Entropy audit: the streaming fold in float32 against scipy in float64 on the same float32 logits. logsumexp
+# is relative to |lse| (shifted by the max, no cancellation); entropy is absolute (it is O(1) at most
+# log V ~ 12, and exactly 0 for a one-hot distribution, where a relative error is meaningless).
+LOGSUMEXP = 2e-6
+ENTROPY = 2e-5
+
+
+def for_dtype(dtype_name: str) -> dict:
+    return FP32 if dtype_name == "float32" else BF16

@@ -1,0 +1,56 @@
+"""The audit passes on the library, and fails, naming the cells, on a deliberately wrong loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from audits.__main__ import main
+from compiled_grpo import objectives, quantile
+
+SMALL = ["--only", "loss", "--modes", "eager", "--dtype", "float32"]
+
+
+def test_audit_passes_on_the_library(tmp_path, capsys):
+    assert main(SMALL + ["--loss-types", "bnpo,dapo", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "bnpo" in out and "dapo" in out
+    assert (tmp_path / "audit.md").exists() and (tmp_path / "loss_error_heatmap.png").exists()
+
+
+def test_audit_fails_on_an_off_by_one_normalizer(tmp_path, capsys, monkeypatch):
+    make = objectives.make_normalizers
+
+    def off_by_one(*args, **kwargs):
+        n = make(*args, **kwargs)
+        return dataclasses.replace(n, tokens=n.tokens + 1, items=n.items + 1)
+
+    monkeypatch.setattr(objectives, "make_normalizers", off_by_one)
+    assert main(SMALL + ["--loss-types", "bnpo,dapo,grpo", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out
+    report = (tmp_path / "audit.md").read_text()
+    failing = report.split("## Failing cells")[1].split("##")[0]
+    assert "bnpo" in failing and "dapo" in failing and "grpo" not in failing  # grpo has no token normalizer
+
+
+def test_audit_fails_on_a_per_chunk_entropy_threshold(tmp_path, capsys, monkeypatch):
+    whole_batch = quantile.high_entropy_mask
+
+    def per_row(entropy, mask, q, group=None):
+        rows = [whole_batch(entropy[i : i + 1], mask[i : i + 1], q, group) for i in range(entropy.shape[0])]
+        return torch.cat(rows)
+
+    monkeypatch.setattr(quantile, "high_entropy_mask", per_row)
+    assert main(SMALL + ["--loss-types", "dapo", "--out", str(tmp_path)]) == 1
+    report = (tmp_path / "audit.md").read_text()
+    assert "entropy_mask off-threshold flips" in report
+    assert "NOT within rounding" in report
+
+
+@pytest.mark.parametrize("argv", [["--modes", "jit"], ["--loss-types", "ppo"]])
+def test_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        main(argv)
