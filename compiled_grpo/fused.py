@@ -34,21 +34,28 @@ def head_values(cfg, dtype, device) -> torch.Tensor:
     return torch.tensor([cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0], dtype=dtype, device=device)
 
 
-def statistics_pass(k: Kernels, x, weight, bias, targets, head_values, softcap, tiles):
-    """(logp, entropy, lse) for every slot, one token tile at a time against the whole vocabulary."""
-    outs = [k.statistics(x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap) for s, n in tiles]
+def statistics_pass(k: Kernels, x, weight, bias, targets, head_values, softcap, tiles, rows: int):
+    """(logp, entropy, lse) for every slot, `rows` tokens at a time against the whole vocabulary (a tile of
+    more rows is split, keeping the [rows, V] float32 logits the only large temporary)."""
+    pieces = [(s + i, min(rows, n - i)) for s, n in tiles for i in range(0, n, rows)]
+    outs = [k.statistics(x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap) for s, n in pieces]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
         return empty, empty, empty
     return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
 
 
+def accumulator(like: torch.Tensor, shape) -> torch.Tensor:
+    """A float32 (float64 for float64 inputs) buffer for sums over tiles."""
+    return torch.zeros(shape, dtype=streaming.stat_dtype(like), device=like.device)
+
+
 class StreamedStatistics(torch.autograd.Function):
     """Memory schedule: logp and entropy per slot from x [slots,H]; gradients recomputed vocab-outer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, head_values, kernels, softcap, tiles, vocab_tile):
-        logp, entropy, lse = statistics_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles)
+    def forward(ctx, x, weight, bias, targets, head_values, kernels, softcap, tiles, vocab_tile, stats_rows):
+        logp, entropy, lse = statistics_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, stats_rows)
         ctx.save_for_backward(x, weight, bias, targets, head_values, lse, entropy)
         ctx.setup = (kernels, softcap, tiles, vocab_tile)
         return logp, entropy
@@ -59,40 +66,30 @@ class StreamedStatistics(torch.autograd.Function):
         kernels, softcap, tiles, vocab_tile = ctx.setup
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        dx = torch.zeros(x.shape, dtype=torch.float32 if x.dtype != torch.float64 else x.dtype, device=x.device)
+        dx = accumulator(x, x.shape)
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b else None
-        V = weight.shape[0]
-        for v0 in range(0, V, vocab_tile):
+        for v0 in range(0, weight.shape[0], vocab_tile):
             w_v = weight[v0 : v0 + vocab_tile]
             b_v = bias[v0 : v0 + vocab_tile] if bias is not None else None
-            dw_v = db_v = None
+            dw_v = accumulator(x, w_v.shape) if need_w else None
+            db_v = accumulator(x, w_v.shape[:1]) if need_b else None
             offset = torch.tensor(v0, device=x.device)
             for s, n in tiles:
-                dx_t, dw_t, db_t = kernels.gradient_vocab(
-                    x[s : s + n],
-                    w_v,
-                    b_v,
-                    offset,
-                    targets[s : s + n],
-                    lse[s : s + n],
-                    entropy[s : s + n],
-                    g_logp[s : s + n],
-                    g_entropy[s : s + n],
-                    head_values,
-                    softcap,
-                    need_w,
-                )
-                dx[s : s + n] += dx_t
+                d_raw, db_t = kernels.gradient_vocab(
+                    x[s : s + n], w_v, b_v, offset, targets[s : s + n], lse[s : s + n], entropy[s : s + n],
+                    g_logp[s : s + n], g_entropy[s : s + n], head_values, softcap,
+                )  # fmt: skip
+                streaming.add_matmul(dx[s : s + n], d_raw, w_v)
                 if need_w:
-                    dw_v = dw_t if dw_v is None else dw_v + dw_t
+                    streaming.add_matmul(dw_v, d_raw.T, x[s : s + n])
                 if need_b:
-                    db_v = db_t if db_v is None else db_v + db_t
+                    db_v += db_t
             if need_w:
-                dw[v0 : v0 + vocab_tile] = dw_v if dw_v is not None else 0
+                dw[v0 : v0 + vocab_tile] = dw_v
             if need_b:
-                db[v0 : v0 + vocab_tile] = db_v if db_v is not None else 0
-        return dx.to(x.dtype), dw, db, None, None, None, None, None, None
+                db[v0 : v0 + vocab_tile] = db_v
+        return dx.to(x.dtype), dw, db, None, None, None, None, None, None, None
 
 
 class PrecomputedGradients(torch.autograd.Function):
@@ -105,9 +102,11 @@ class PrecomputedGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        d_hidden, d_weight, d_bias = ctx.grads
-        scale = lambda t: None if t is None else (t * g).to(t.dtype)
-        return None, scale(d_hidden), scale(d_weight), scale(d_bias), None, None, None
+        grads = ctx.grads
+        ctx.grads = None
+        if not torch.equal(g, torch.ones_like(g)):  # the usual loss.backward() needs no pass over [V, H]
+            grads = tuple(None if t is None else (t * g).to(t.dtype) for t in grads)
+        return (None, *grads, None, None, None)
 
 
 def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, gradient_of_tile, need_w, need_b):
@@ -116,21 +115,21 @@ def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, g
     dtype = streaming.stat_dtype(x)
     logp = x.new_zeros(x.shape[0], dtype=dtype)
     entropy = torch.zeros_like(logp)
-    dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    dw = torch.zeros(weight.shape, dtype=dtype, device=x.device) if need_w else None
-    db = torch.zeros(weight.shape[0], dtype=dtype, device=x.device) if need_b else None
+    dx = accumulator(x, x.shape)
+    dw = accumulator(x, weight.shape) if need_w else None
+    db = accumulator(x, weight.shape[:1]) if need_b else None
     for s, n in tiles:
-        lp, h, lse, z = kernels.statistics_and_logits(
-            x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap
-        )
+        xs = x[s : s + n]
+        lp, h, lse, z = kernels.statistics_and_logits(xs, weight, bias, targets[s : s + n], head_values, softcap)
         logp[s : s + n], entropy[s : s + n] = lp, h
         g_logp, g_entropy = gradient_of_tile(s, n, logp, entropy)
-        dx_t, dw_t, db_t = kernels.gradient_from_logits(
-            z, x[s : s + n], weight, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, need_w, need_b
+        d_raw, db_t = kernels.gradient_from_logits(
+            z, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, x.dtype, need_b
         )
-        dx[s : s + n] = dx_t
+        del z
+        streaming.add_matmul(dx[s : s + n], d_raw, weight)
         if need_w:
-            dw += dw_t
+            streaming.add_matmul(dw, d_raw.T, xs)
         if need_b:
             db += db_t
     return logp, entropy, dx, dw, db

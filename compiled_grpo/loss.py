@@ -30,11 +30,13 @@ class GRPOLossOutput:
     entropy_mask: torch.Tensor | None = None  # [B,T] bool, None when top_entropy_quantile == 1
 
 
-def default_tiles(device: torch.device) -> tuple[int, int, int]:
-    """(token tile, token tail tile, vocab tile): large GEMMs on a GPU, cache-sized ones on a CPU."""
+def default_tiles(device: torch.device) -> tuple[int, int, int, int]:
+    """(token tile, token tail tile, vocab tile, stats rows): large GEMMs on a GPU, cache-sized ones on a CPU.
+    The stats pass holds [stats rows, V] float32 logits; the memory schedule's gradient pass [token tile, vocab
+    tile]; the speed schedule [token tile, V] logits plus their gradient."""
     if device.type == "cuda":
-        return 4096, 256, 16384
-    return 256, 32, 4096
+        return 2048, 256, 32768, 1024
+    return 256, 32, 4096, 256
 
 
 class FusedLinearGRPOLoss:
@@ -57,6 +59,7 @@ class FusedLinearGRPOLoss:
         token_tile: int | None = None,
         tail_tile: int | None = None,
         vocab_tile: int | None = None,
+        stats_rows: int | None = None,
         logits_budget_bytes: int = 4 << 30,
         process_group=None,
         **settings,
@@ -72,12 +75,13 @@ class FusedLinearGRPOLoss:
                 "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "
                 "token's entropy before any gradient can be formed; use schedule='memory' (or 'auto')"
             )
-        for name, v in (("token_tile", token_tile), ("tail_tile", tail_tile), ("vocab_tile", vocab_tile)):
+        knobs = {"token_tile": token_tile, "tail_tile": tail_tile, "vocab_tile": vocab_tile, "stats_rows": stats_rows}
+        for name, v in knobs.items():
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.schedule = schedule
         self.validate = validate
-        self.tile_sizes = (token_tile, tail_tile, vocab_tile)
+        self.tile_sizes = tuple(knobs.values())
         self.logits_budget_bytes = logits_budget_bytes
         self.process_group = process_group
         self.kernels = fused.Kernels(compiled)
@@ -171,12 +175,12 @@ class FusedLinearGRPOLoss:
             num_processes=distributed.world_size(self.process_group) if num_processes is None else num_processes,
             entropy_coef=cfg.entropy_coef if entropy_coef is None else entropy_coef,
         )
-        tile, tail, vocab_tile = self._tiles(hidden.device)
+        tile, tail, vocab_tile, stats_rows = self._tiles(hidden.device)
         plan = self._speed_plan(completion_mask, tile, tail, weight)
         if plan is not None:
-            return self._speed(hidden, weight, bias, completion_ids, batch, plan, run, vocab_tile)
+            return self._speed(hidden, weight, bias, completion_ids, batch, plan, run)
         plan = tiling.plan_tokens(completion_mask, tile, tail)
-        return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, vocab_tile)
+        return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, vocab_tile, stats_rows)
 
     # ------------------------------------------------------------------ pieces
     def _tiles(self, device):
@@ -208,7 +212,7 @@ class FusedLinearGRPOLoss:
         return x, targets
 
     def _reference_logps(self, hidden, weight, bias, ids, mask):
-        tile, tail, _ = self._tiles(hidden.device)
+        tile, tail, _, stats_rows = self._tiles(hidden.device)
         plan = tiling.plan_tokens(mask, tile, tail)
         head = fused.head_values(self.config, streaming.stat_dtype(hidden), hidden.device)
         with torch.no_grad():
@@ -222,6 +226,7 @@ class FusedLinearGRPOLoss:
                 head,
                 self.config.final_logit_softcapping is not None,
                 plan.tiles,
+                stats_rows,
             )
             return tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
 
@@ -247,14 +252,14 @@ class FusedLinearGRPOLoss:
             group=self.process_group,
         )
 
-    def _memory(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile):
+    def _memory(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile, stats_rows):
         cfg = self.config
         mask = batch.mask
         head = fused.head_values(cfg, mask.dtype, hidden.device)
         x, targets = self._slots(hidden, ids, plan)
         softcap = cfg.final_logit_softcapping is not None
         logp_s, entropy_s = fused.StreamedStatistics.apply(
-            x, weight, bias, targets, head, self.kernels, softcap, plan.tiles, vocab_tile
+            x, weight, bias, targets, head, self.kernels, softcap, plan.tiles, vocab_tile, stats_rows
         )
         logp = tiling.from_slots(logp_s, plan, mask.numel()).view(mask.shape)
         entropy = tiling.from_slots(entropy_s, plan, mask.numel()).view(mask.shape)
@@ -266,7 +271,7 @@ class FusedLinearGRPOLoss:
         loss, metrics = self._finish(logp, entropy, batch, em, norms, run)
         return GRPOLossOutput(loss, metrics, logp.detach(), entropy.detach(), entropy_mask)
 
-    def _speed(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile):
+    def _speed(self, hidden, weight, bias, ids, batch, plan, run):
         cfg = self.config
         mask = batch.mask
         B, T = mask.shape
@@ -323,7 +328,7 @@ class FusedLinearGRPOLoss:
         return GRPOLossOutput(loss, metrics, logp, entropy, None)
 
 
-CONSTRUCTOR_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "logits_budget_bytes", "process_group")
+CONSTRUCTOR_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "logits_budget_bytes", "process_group")
 
 
 def fused_linear_grpo_loss(

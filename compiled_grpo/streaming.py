@@ -11,6 +11,8 @@ Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
   logp = z[y] - lse.
 Gradient: p = exp(z - lse),  dz = g_logp (onehot(y) - p) - g_H p (z - lse + H),
 then through the softcap and scale: d raw = dz * scale * inv_temp * (1 - (z / (cap * inv_temp))**2).
+The tiles hand back d raw in the GEMM dtype; the driver (fused.py) turns it into dX, dW with `add_matmul`,
+accumulating in float32 in place.
 """
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ from __future__ import annotations
 import torch
 
 SCALE, INV_TEMP, CAP = 0, 1, 2  # positions in the `head` tensor
+
+
+def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in place, the product accumulated in acc's (float32 or float64) precision: a tile's product
+    is never rounded to 16 bits before the sum over tiles (that rounding biases training)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # CPU has no 16-bit GEMM with a float32 output
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -75,32 +88,28 @@ def statistics_tile(x, w, b, targets, head, softcap: bool):
     return fold_statistics(tile_logits(x, w, b, head, softcap), targets)
 
 
-def _input_grads(d_raw, x, w, need_w: bool, need_b: bool):
-    """dX [n,H] (float32), dW [v,H] (float32, or None) and db [v] for one tile's d raw-logits."""
-    d16 = d_raw.to(x.dtype)
-    dx = matmul_fp32(d16, w)
-    dw = matmul_fp32(d16.T, x) if need_w else None
-    db = d_raw.sum(0) if need_b else None
-    return dx, dw, db
-
-
 def statistics_and_logits_tile(x, w, b, targets, head, softcap: bool):
     """Stats of one token tile that also hands back its logits, for a gradient on the same tile."""
     z = tile_logits(x, w, b, head, softcap)
     return fold_statistics(z, targets) + (z,)
 
 
-def gradient_from_logits_tile(z, x, w, targets, lse, entropy, g_logp, g_entropy, head, softcap, need_w, need_b):
-    """Gradient of one token tile from logits kept since its stats pass."""
+def _raw_gradient(d_raw, dtype, need_b: bool):
+    """The logits gradient in the GEMM dtype (the dX and dW products accumulate it in float32 outside), and
+    its column sums for the bias in float32."""
+    return d_raw.to(dtype), d_raw.sum(0) if need_b else None
+
+
+def gradient_from_logits_tile(z, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool, dtype, need_b: bool):
+    """Speed schedule: the gradient of one token tile's raw logits, from logits kept since its stats pass."""
     onehot = targets.unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
-    d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
-    return _input_grads(d_raw, x, w, need_w, need_b)
+    return _raw_gradient(logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap), dtype, need_b)
 
 
-def gradient_vocab_tile(x, w_v, b_v, v0, targets, lse, entropy, g_logp, g_entropy, head, softcap, need_w):
-    """Memory schedule: recompute the logits of token tile x against vocabulary slice w_v (rows v0..v0+v)
-    and return that tile's contributions to dX, dW[v0:v0+v] and db[v0:v0+v]."""
+def gradient_vocab_tile(x, w_v, b_v, v0, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool):
+    """Memory schedule: recompute the logits of token tile x against vocabulary slice w_v (rows v0..v0+v) and
+    return the gradient of those raw logits (x's dtype) and its bias part."""
     z = tile_logits(x, w_v, b_v, head, softcap)
     onehot = (targets - v0).unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
     d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
-    return _input_grads(d_raw, x, w_v, need_w, b_v is not None)
+    return _raw_gradient(d_raw, x.dtype, b_v is not None)
