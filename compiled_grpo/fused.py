@@ -66,23 +66,32 @@ class StreamedStatistics(torch.autograd.Function):
         kernels, softcap, tiles, vocab_tile = ctx.setup
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        dx = accumulator(x, x.shape)
+        dx = torch.empty(x.shape, dtype=streaming.stat_dtype(x), device=x.device)
+        if not tiles:  # nothing active: zero gradients
+            return (
+                dx.to(x.dtype),
+                torch.zeros_like(weight) if need_w else None,
+                torch.zeros_like(bias) if need_b else None,
+                *(None,) * 7,
+            )
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b else None
-        for v0 in range(0, weight.shape[0], vocab_tile):
+        starts = range(0, weight.shape[0], vocab_tile)
+        offsets = torch.tensor(list(starts), device=x.device)  # one copy to the device, not one per slice
+        for j, v0 in enumerate(starts):
             w_v = weight[v0 : v0 + vocab_tile]
             b_v = bias[v0 : v0 + vocab_tile] if bias is not None else None
-            dw_v = accumulator(x, w_v.shape) if need_w else None
+            dw_v = torch.empty(w_v.shape, dtype=dx.dtype, device=x.device) if need_w else None
             db_v = accumulator(x, w_v.shape[:1]) if need_b else None
-            offset = torch.tensor(v0, device=x.device)
-            for s, n in tiles:
+            offset = offsets[j]
+            for i, (s, n) in enumerate(tiles):
                 d_raw, db_t = kernels.gradient_vocab(
                     x[s : s + n], w_v, b_v, offset, targets[s : s + n], lse[s : s + n], entropy[s : s + n],
                     g_logp[s : s + n], g_entropy[s : s + n], head_values, softcap,
                 )  # fmt: skip
-                streaming.add_matmul(dx[s : s + n], d_raw, w_v)
+                streaming.add_matmul(dx[s : s + n], d_raw, w_v, first=j == 0)
                 if need_w:
-                    streaming.add_matmul(dw_v, d_raw.T, x[s : s + n])
+                    streaming.add_matmul(dw_v, d_raw.T, x[s : s + n], first=i == 0)
                 if need_b:
                     db_v += db_t
             if need_w:
@@ -111,14 +120,15 @@ class PrecomputedGradients(torch.autograd.Function):
 
 def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, gradient_of_tile, need_w, need_b):
     """Per tile: stats and logits, then the objective's gradient for that tile (`gradient_of_tile(s, n, logp,
-    entropy)` -> (g_logp, g_entropy)), then dX, dW, db from the same logits. Returns slot stats and grads."""
+    entropy)` -> (g_logp, g_entropy)), then dX, dW, db from the same logits. Returns the slots' dX and the
+    float32 dW and db; the stats reach the caller through `gradient_of_tile`."""
     dtype = streaming.stat_dtype(x)
     logp = x.new_zeros(x.shape[0], dtype=dtype)
     entropy = torch.zeros_like(logp)
-    dx = accumulator(x, x.shape)
-    dw = accumulator(x, weight.shape) if need_w else None
+    dx = torch.empty(x.shape, dtype=dtype, device=x.device)
+    dw = torch.empty(weight.shape, dtype=dtype, device=x.device) if need_w else None
     db = accumulator(x, weight.shape[:1]) if need_b else None
-    for s, n in tiles:
+    for i, (s, n) in enumerate(tiles):
         xs = x[s : s + n]
         lp, h, lse, z = kernels.statistics_and_logits(xs, weight, bias, targets[s : s + n], head_values, softcap)
         logp[s : s + n], entropy[s : s + n] = lp, h
@@ -127,9 +137,11 @@ def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, g
             z, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, x.dtype, need_b
         )
         del z
-        streaming.add_matmul(dx[s : s + n], d_raw, weight)
+        streaming.add_matmul(dx[s : s + n], d_raw, weight, first=True)
         if need_w:
-            streaming.add_matmul(dw, d_raw.T, xs)
+            streaming.add_matmul(dw, d_raw.T, xs, first=i == 0)
         if need_b:
             db += db_t
-    return logp, entropy, dx, dw, db
+    if not tiles and need_w:
+        dw.zero_()
+    return dx, dw, db

@@ -30,13 +30,18 @@ class GRPOLossOutput:
     entropy_mask: torch.Tensor | None = None  # [B,T] bool, None when top_entropy_quantile == 1
 
 
-def default_tiles(device: torch.device) -> tuple[int, int, int, int]:
-    """(token tile, token tail tile, vocab tile, stats rows): large GEMMs on a GPU, cache-sized ones on a CPU.
-    The stats pass holds [stats rows, V] float32 logits; the memory schedule's gradient pass [token tile, vocab
-    tile]; the speed schedule [token tile, V] logits plus their gradient."""
+TILE_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "speed_tile")
+
+
+def default_tiles(device: torch.device) -> dict[str, int]:
+    """Tile sizes: large GEMMs on a GPU, cache-sized ones on a CPU. Active tokens go in tiles of `token_tile`
+    rows, the rest in tiles of `tail_tile` (`speed_tile` and `tail_tile` in the speed schedule).
+    Memory schedule: the stats pass holds [stats_rows, V] float32 logits; the gradient pass [token_tile,
+    vocab_tile] logits, and writes each vocab_tile slice of dW once per token tile (one big token tile: once).
+    Speed schedule: [speed_tile, V] float32 logits and their gradient, plus a float32 [V, H] dW accumulator."""
     if device.type == "cuda":
-        return 2048, 256, 32768, 1024
-    return 256, 32, 4096, 256
+        return {"token_tile": 8192, "tail_tile": 512, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048}
+    return {"token_tile": 256, "tail_tile": 32, "vocab_tile": 4096, "stats_rows": 256, "speed_tile": 256}
 
 
 class FusedLinearGRPOLoss:
@@ -60,6 +65,7 @@ class FusedLinearGRPOLoss:
         tail_tile: int | None = None,
         vocab_tile: int | None = None,
         stats_rows: int | None = None,
+        speed_tile: int | None = None,
         logits_budget_bytes: int = 4 << 30,
         process_group=None,
         **settings,
@@ -75,13 +81,13 @@ class FusedLinearGRPOLoss:
                 "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "
                 "token's entropy before any gradient can be formed; use schedule='memory' (or 'auto')"
             )
-        knobs = {"token_tile": token_tile, "tail_tile": tail_tile, "vocab_tile": vocab_tile, "stats_rows": stats_rows}
+        knobs = dict(zip(TILE_KNOBS, (token_tile, tail_tile, vocab_tile, stats_rows, speed_tile), strict=True))
         for name, v in knobs.items():
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.schedule = schedule
         self.validate = validate
-        self.tile_sizes = tuple(knobs.values())
+        self.tile_overrides = {k: v for k, v in knobs.items() if v is not None}
         self.logits_budget_bytes = logits_budget_bytes
         self.process_group = process_group
         self.kernels = fused.Kernels(compiled)
@@ -175,17 +181,17 @@ class FusedLinearGRPOLoss:
             num_processes=distributed.world_size(self.process_group) if num_processes is None else num_processes,
             entropy_coef=cfg.entropy_coef if entropy_coef is None else entropy_coef,
         )
-        tile, tail, vocab_tile, stats_rows = self._tiles(hidden.device)
-        plan = self._speed_plan(completion_mask, tile, tail, weight)
+        tiles = self._tiles(hidden.device)
+        plan = self._speed_plan(completion_mask, tiles["speed_tile"], tiles["tail_tile"], weight)
         if plan is not None:
             return self._speed(hidden, weight, bias, completion_ids, batch, plan, run)
-        plan = tiling.plan_tokens(completion_mask, tile, tail)
-        return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, vocab_tile, stats_rows)
+        plan = tiling.plan_tokens(completion_mask, tiles["token_tile"], tiles["tail_tile"])
+        return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, tiles["vocab_tile"],
+                            tiles["stats_rows"])  # fmt: skip
 
     # ------------------------------------------------------------------ pieces
-    def _tiles(self, device):
-        defaults = default_tiles(device)
-        return tuple(d if v is None else v for v, d in zip(self.tile_sizes, defaults, strict=True))
+    def _tiles(self, device) -> dict[str, int]:
+        return {**default_tiles(device), **self.tile_overrides}
 
     def _speed_plan(self, mask, tile, tail, weight):
         """The speed schedule's tile plan, or None where the memory schedule runs."""
@@ -212,8 +218,9 @@ class FusedLinearGRPOLoss:
         return x, targets
 
     def _reference_logps(self, hidden, weight, bias, ids, mask):
-        tile, tail, _, stats_rows = self._tiles(hidden.device)
-        plan = tiling.plan_tokens(mask, tile, tail)
+        tiles = self._tiles(hidden.device)
+        plan = tiling.plan_tokens(mask, tiles["token_tile"], tiles["tail_tile"])
+        stats_rows = tiles["stats_rows"]
         head = fused.head_values(self.config, streaming.stat_dtype(hidden), hidden.device)
         with torch.no_grad():
             x, targets = self._slots(hidden.detach(), ids, plan)
@@ -277,58 +284,46 @@ class FusedLinearGRPOLoss:
         B, T = mask.shape
         head = fused.head_values(cfg, mask.dtype, hidden.device)
         norms = self._normalizers(batch, None, run)
-        slot_to_flat = plan.source
-        logp_flat = torch.zeros(B * T, dtype=mask.dtype, device=mask.device)
+        # Slot -> flat [B*T] position, padding slots sent to a scratch entry at B*T: no boolean indexing, so the
+        # tile loop never waits on the host.
+        dest = torch.where(plan.valid, plan.source, B * T)
+        logp_flat = torch.zeros(B * T + 1, dtype=mask.dtype, device=mask.device)
         entropy_flat = torch.zeros_like(logp_flat)
 
         def gradient_of_tile(s, n, logp_slots, entropy_slots):
-            """d loss / d (logp, entropy) for the tokens of slots s..s+n, from the objective on [B,T]."""
-            rows = plan.valid[s : s + n]
-            where = slot_to_flat[s : s + n][rows]
-            logp_flat[where] = logp_slots[s : s + n][rows]
-            entropy_flat[where] = entropy_slots[s : s + n][rows]
-            lp = logp_flat.detach().clone().requires_grad_()
-            h = entropy_flat.detach().clone().requires_grad_()
+            """d loss / d (logp, entropy) for the tokens of slots s..s+n, from the objective on [B,T]. Exact:
+            with the normalizers fixed up front, a token's gradient depends only on its own row's values."""
+            logp_flat.index_copy_(0, dest[s : s + n], logp_slots[s : s + n])
+            entropy_flat.index_copy_(0, dest[s : s + n], entropy_slots[s : s + n])
+            lp = logp_flat[: B * T].detach().clone().requires_grad_()
+            h = entropy_flat[: B * T].detach().clone().requires_grad_()
             loss, _ = objectives.loss_of_rows(lp.view(B, T), h.view(B, T), batch, cfg, norms, None, run["entropy_coef"])
-            g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True)
-            g_lp = torch.zeros_like(lp) if g_lp is None else g_lp
-            g_h = torch.zeros_like(h) if g_h is None else g_h
-            valid = plan.valid[s : s + n]
-            src = slot_to_flat[s : s + n]
+            g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True, materialize_grads=True)
+            src, valid = plan.source[s : s + n], plan.valid[s : s + n]
             return torch.where(valid, g_lp[src], 0.0), torch.where(valid, g_h[src], 0.0)
 
         x, targets = self._slots(hidden.detach(), ids, plan)
         need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
-        _, _, dx_s, dw, db = fused.speed_pass(
-            self.kernels,
-            x,
-            weight.detach(),
-            None if bias is None else bias.detach(),
-            targets,
-            head,
-            cfg.final_logit_softcapping is not None,
-            plan.tiles,
-            gradient_of_tile,
-            need_w,
-            need_b,
-        )
-        d_hidden = torch.zeros(B * T, hidden.shape[-1], dtype=dx_s.dtype, device=dx_s.device)
-        d_hidden.index_add_(0, plan.source[plan.valid], dx_s[plan.valid])
-        logp, entropy = logp_flat.view(B, T), entropy_flat.view(B, T)
+        dx_s, dw, db = fused.speed_pass(
+            self.kernels, x, weight.detach(), None if bias is None else bias.detach(), targets, head,
+            cfg.final_logit_softcapping is not None, plan.tiles, gradient_of_tile, need_w, need_b,
+        )  # fmt: skip
+        d_hidden = None
+        if hidden.requires_grad:
+            d_hidden = torch.zeros(B * T + 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            d_hidden.index_copy_(0, dest, dx_s.to(hidden.dtype))  # padding slots land in the scratch row
+            d_hidden = d_hidden[: B * T].view(hidden.shape)
+        logp, entropy = logp_flat[: B * T].view(B, T), entropy_flat[: B * T].view(B, T)
         value, metrics = self._finish(logp, entropy, batch, None, norms, run)
         loss = fused.PrecomputedGradients.apply(
-            value,
-            hidden,
-            weight,
-            bias,
-            d_hidden.view(hidden.shape).to(hidden.dtype) if hidden.requires_grad else None,
+            value, hidden, weight, bias, d_hidden,
             dw.to(weight.dtype) if need_w else None,
             db.to(bias.dtype) if need_b else None,
-        )
+        )  # fmt: skip
         return GRPOLossOutput(loss, metrics, logp, entropy, None)
 
 
-CONSTRUCTOR_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "logits_budget_bytes", "process_group")
+CONSTRUCTOR_KNOBS = (*TILE_KNOBS, "logits_budget_bytes", "process_group")
 
 
 def fused_linear_grpo_loss(

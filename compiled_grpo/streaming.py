@@ -22,15 +22,17 @@ import torch
 SCALE, INV_TEMP, CAP = 0, 1, 2  # positions in the `head` tensor
 
 
-def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b in place, the product accumulated in acc's (float32 or float64) precision: a tile's product
-    is never rounded to 16 bits before the sum over tiles (that rounding biases training)."""
+def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """acc += a @ b in place (acc = a @ b when `first`: acc need not be initialized, and is not read), the
+    product accumulated in acc's (float32 or float64) precision: a tile's product is never rounded to 16 bits
+    before the sum over tiles (that rounding biases training)."""
+    beta = 0 if first else 1
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        torch.addmm(acc, a, b, beta=beta, out=acc)
     elif a.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:  # CPU has no 16-bit GEMM with a float32 output
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import make_inputs, run_fused, run_reference
+from cases import TILES, make_inputs, run_fused, run_reference
 
 import reference
 from compiled_grpo import FusedLinearGRPOLoss
@@ -38,7 +38,7 @@ def test_bf16_no_worse_than_naive_bf16(loss_type, schedule):
         settings["epsilon_high"] = 5.0
     ref, ref_grads = run_reference(x, settings)  # float64 on the bf16-rounded inputs
     naive, naive_grads = naive_bf16(x, settings)
-    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, token_tile=64, tail_tile=8, vocab_tile=256,
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES,
                                   **settings)  # fmt: skip
     out, out_grads = run_fused(loss_fn, x)
     tol = 1e-3

@@ -12,7 +12,12 @@ from compiled_grpo import FusedLinearGRPOLoss
 
 pytestmark = pytest.mark.compiled
 
-TILES = {"token_tile": 64, "tail_tile": 64, "vocab_tile": 256}  # one token shape; V = 1021 adds a vocab tail
+TILES = {
+    "token_tile": 64,
+    "tail_tile": 64,
+    "vocab_tile": 256,
+    "speed_tile": 64,
+}  # one token shape; V = 1021 adds a vocab tail
 
 
 def graphs_compiled() -> int:

@@ -6,11 +6,9 @@ import math
 
 import pytest
 import torch
-from cases import assert_matches, make_inputs, run_fused, run_reference
+from cases import TILES, assert_matches, make_inputs, run_fused, run_reference
 
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, GRPOLossConfig, fused_linear_grpo_loss
-
-TILES = {"token_tile": 64, "tail_tile": 8, "vocab_tile": 256}
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from cases import assert_matches, make_inputs, run_fused, run_reference
+from cases import TILES, assert_matches, make_inputs, run_fused, run_reference
 
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss
 
@@ -63,7 +63,7 @@ def check(loss_type, name, schedule, dtype, rtol, seed=0):
     settings = settings_for(loss_type, extra)
     x = make_inputs(seed=seed, dtype=dtype, **input_opts)
     ref, ref_grads = run_reference(x, settings)
-    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, token_tile=64, tail_tile=8, vocab_tile=256,
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES,
                                   **settings)  # fmt: skip
     out, out_grads = run_fused(loss_fn, x)
     assert out.loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)

@@ -1,0 +1,317 @@
+"""GPU benchmark: every method in one process, per shape, forward + backward of the whole loss.
+
+Methods: the three lm_head GEMMs over the active tokens alone (the floor); full logits with autograd; TRL
+1.16.0's fused LM head (`ChunkedLogProbFunction`, with TRL's compaction of padded positions) followed by the same
+loss; Liger 0.8.5's `LigerFusedLinearGRPOLoss`; and this library's speed and memory schedules, eager and
+compiled. Median of CUDA-event times after warm-up; peak memory above what was allocated before the call
+(inputs, weights). A baseline that is not installed, or a method that cannot run a shape, is reported as such.
+
+    python -m benchmarks.gpu [--shapes S1,S2,S3,S1-q0.2,S1-ref] [--repeats 10] [--out docs/benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import reference
+from compiled_grpo import FusedLinearGRPOLoss
+
+H, V = 4096, 151936
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    T: int
+    ragged: bool = False  # completion lengths uniform in [1, T]
+    q: float = 1.0
+    beta: float = 0.0  # with ref_hidden / ref_weight
+
+
+SHAPES = {
+    "S1": Shape("S1", 8, 1024),
+    "S2": Shape("S2", 16, 1024, ragged=True),
+    "S3": Shape("S3", 4, 8192),
+    "S1-q0.2": Shape("S1-q0.2", 8, 1024, q=0.2),
+    "S1-ref": Shape("S1-ref", 8, 1024, beta=0.04),
+}
+
+
+def make_inputs(shape: Shape, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    x = {
+        "hidden": torch.randn(shape.B, shape.T, H, device=dev, dtype=dt, generator=g),
+        "weight": (torch.randn(V, H, device=dev, dtype=dt, generator=g) * H**-0.5 * 2).requires_grad_(),
+        "ids": torch.randint(0, V, (shape.B, shape.T), device=dev, generator=g),
+        "advantages": torch.randn(shape.B, device=dev, generator=g),
+    }
+    if shape.ragged:
+        lengths = torch.randint(1, shape.T + 1, (shape.B, 1), device=dev, generator=g)
+        x["mask"] = (torch.arange(shape.T, device=dev) < lengths).long()
+    else:
+        x["mask"] = torch.ones(shape.B, shape.T, device=dev, dtype=torch.long)
+    if shape.beta:
+        x["ref_hidden"] = x["hidden"] + 0.01 * torch.randn(x["hidden"].shape, device=dev, dtype=dt, generator=g)
+        x["ref_weight"] = x["weight"].detach() + 1e-3 * torch.randn(V, H, device=dev, dtype=dt, generator=g)
+    return x
+
+
+def loss_settings(shape: Shape) -> dict:
+    return {"loss_type": "dapo", "beta": shape.beta, "top_entropy_quantile": shape.q}
+
+
+# ---------------------------------------------------------------- methods: each returns a closure or a reason
+def floor(shape, x):
+    active = x["hidden"].reshape(-1, H)[x["mask"].reshape(-1).bool()]
+    w = x["weight"].detach()
+
+    def run():
+        z = active @ w.T
+        _ = z @ w
+        _ = z.T @ active
+
+    return run
+
+
+def same_loss(logp, entropy, x, shape, ref_logp=None):
+    """TRL's loss on [B,T] (the reference's objective: no vocabulary dimension, cheap)."""
+    kw = {"ref_per_token_logps": ref_logp} if ref_logp is not None else {}
+    return reference.grpo_objective(logp, entropy, x["mask"], x["advantages"], **kw, **loss_settings(shape)).loss
+
+
+def full_logits(shape, x):
+    def logp_entropy(hidden, weight):
+        logits = (hidden @ weight.T).float()
+        log_p = torch.log_softmax(logits, -1)
+        logp = log_p.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1)
+        return logp, -(log_p.exp() * log_p).sum(-1)
+
+    def run():
+        h = x["hidden"].detach().requires_grad_()
+        ref_logp = None
+        if shape.beta:
+            with torch.no_grad():
+                ref_logp = logp_entropy(x["ref_hidden"], x["ref_weight"])[0]
+        logp, entropy = logp_entropy(h, x["weight"])
+        same_loss(logp, entropy, x, shape, ref_logp).backward()
+
+    return run
+
+
+def trl_fused_head(shape, x):
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+    except Exception as e:  # noqa: BLE001 - any import failure means "not installed here"
+        return f"skipped: trl not importable ({type(e).__name__}: {e})"
+    mask = x["mask"].bool()
+
+    def head(hidden, weight):
+        logp, entropy, *_ = ChunkedLogProbFunction.apply(
+            hidden[mask], weight, None, x["ids"][mask], 1.0, chunk, None, 1.0, ("entropy",)
+        )
+        scatter = lambda t: t.new_zeros(mask.shape).masked_scatter(mask, t)
+        return scatter(logp), scatter(entropy)
+
+    def run():
+        h = x["hidden"].detach().requires_grad_()
+        ref_logp = None
+        if shape.beta:
+            with torch.no_grad():
+                ref_logp = head(x["ref_hidden"], x["ref_weight"])[0]
+        logp, entropy = head(h, x["weight"])
+        same_loss(logp, entropy, x, shape, ref_logp).backward()
+
+    return run
+
+
+def liger(shape, x):
+    if shape.q < 1:
+        return "not supported: Liger has no top_entropy_quantile"
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except Exception as e:  # noqa: BLE001
+        return f"skipped: liger-kernel not importable ({type(e).__name__}: {e})"
+    loss_fn = LigerFusedLinearGRPOLoss(beta=shape.beta, loss_type="dapo", use_ref_model=bool(shape.beta),
+                                       use_bias_correction_kl=True)  # fmt: skip
+    extra = {"ref_input": x["ref_hidden"], "ref_weight": x["ref_weight"]} if shape.beta else {}
+
+    def run():
+        h = x["hidden"].detach().requires_grad_()
+        loss, _ = loss_fn(h, x["weight"], x["ids"], x["mask"], x["advantages"], **extra)
+        loss.backward()
+
+    return run
+
+
+def ours(schedule, compiled, **tiles):
+    def make(shape, x):
+        if schedule == "speed" and shape.q < 1:
+            return "not applicable: the speed schedule cannot take top_entropy_quantile < 1"
+        settings = loss_settings(shape)
+        loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=False, **tiles, **settings)
+        extra = {"ref_hidden": x["ref_hidden"], "ref_weight": x["ref_weight"]} if shape.beta else {}
+
+        def run():
+            h = x["hidden"].detach().requires_grad_()
+            loss_fn(h, x["weight"], x["ids"], x["mask"], x["advantages"], **extra).loss.backward()
+
+        return run
+
+    return make
+
+
+METHODS = {
+    "floor: three lm_head GEMMs": floor,
+    "full logits + autograd": full_logits,
+    "TRL 1.16 fused head + loss": trl_fused_head,
+    "Liger 0.8.5": liger,
+    "compiled_grpo speed, eager": ours("speed", False),
+    "compiled_grpo speed, compiled": ours("speed", True),
+    "compiled_grpo memory, eager": ours("memory", False),
+    "compiled_grpo memory, compiled": ours("memory", True),
+    "compiled_grpo speed, compiled, speed_tile=4096": ours("speed", True, speed_tile=4096),
+}
+
+
+def measure(run, x, repeats: int, warmup: int = 3):
+    """(median ms, peak GiB above the memory in use before the call)."""
+    for _ in range(warmup):
+        run()
+        x["weight"].grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        x["weight"].grad = None
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def versions() -> dict:
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for pkg in ("triton", "trl", "liger-kernel", "transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def run_shape(shape: Shape, repeats: int) -> list[dict]:
+    x = make_inputs(shape)
+    active = int(x["mask"].sum())
+    rows = []
+    for name, make in METHODS.items():
+        torch._dynamo.reset()  # Liger 0.8.5's compiled graphs fail on a new shape in the same process otherwise
+        row = {"shape": shape.name, "method": name, "tokens": active}
+        try:
+            run = make(shape, x)
+            if isinstance(run, str):
+                row["status"] = run
+            else:
+                row["ms"], row["peak_gib"] = measure(run, x, repeats)
+                row["status"] = "ok"
+        except torch.OutOfMemoryError:
+            row["status"] = "out of memory"
+        except Exception as e:  # noqa: BLE001 - report, never drop silently
+            row["status"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        x["weight"].grad = None
+        torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    floor_ms = next(r.get("ms") for r in rows if r["method"].startswith("floor"))
+    trl_ms = next((r.get("ms") for r in rows if r["method"].startswith("TRL")), None)
+    for r in rows:
+        if "ms" in r:
+            r["x_floor"] = r["ms"] / floor_ms
+            r["x_trl"] = r["ms"] / trl_ms if trl_ms else None
+    return rows
+
+
+def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> None:
+    lines = [
+        "# GPU benchmark",
+        "",
+        f"{info['gpu']}; torch {info['torch']}, Triton {info['triton']}, TRL {info['trl']}, "
+        f"Liger {info['liger-kernel']}, transformers {info['transformers']}. bf16, H={H}, V={V}, dapo, forward + "
+        f"backward of the whole loss, median of {repeats} runs after 3 warm-ups (CUDA events); peak memory above "
+        "the inputs. `/ floor` is against the three lm_head GEMMs over the active tokens, `/ TRL` against TRL "
+        "1.16.0's fused head + the same loss, both measured in the same run.",
+        "",
+        "Shapes: S1 B=8 T=1024 (all active); S2 B=16 T=1024, lengths uniform in [1, 1024]; S3 B=4 T=8192; "
+        "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight.",
+        "",
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        lines += [f"## {shape} ({next(r['tokens'] for r in rows if r['shape'] == shape)} active tokens)", ""]
+        lines += ["| method | time (ms) | / floor | / TRL | peak memory (GiB) |", "|---|---|---|---|---|"]
+        for r in (r for r in rows if r["shape"] == shape):
+            if "ms" in r:
+                trl = f"{r['x_trl']:.2f}" if r.get("x_trl") else "-"
+                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {r['peak_gib']:.2f} |")
+            else:
+                lines.append(f"| {r['method']} | {r['status']} | | | |")
+        lines.append("")
+    lines += ["![time and memory against tokens](gpu.png)", ""]
+    (out / "gpu.md").write_text("\n".join(lines))
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plain = [r for r in rows if r["shape"] in ("S1", "S2", "S3") and "ms" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in dict.fromkeys(r["method"] for r in plain):
+        pts = sorted((r["tokens"], r["ms"], r["peak_gib"]) for r in plain if r["method"] == method)
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        b.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=method)
+    a.set(xlabel="active tokens", ylabel="fwd+bwd time (ms)", yscale="log", title="Time (S2, S1, S3)")
+    b.set(xlabel="active tokens", ylabel="peak memory above inputs (GiB)", yscale="log", title="Memory")
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "gpu.png", dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--methods", default=None, help="comma-separated substrings of method names to keep")
+    ap.add_argument("--out", default="docs/benchmarks")
+    args = ap.parse_args(argv)
+    if args.methods:
+        keep = args.methods.split(",")
+        for name in list(METHODS):
+            if not name.startswith("floor") and not any(k in name for k in keep):
+                del METHODS[name]
+    info = versions()
+    print(json.dumps(info), flush=True)
+    rows = [r for s in args.shapes.split(",") for r in run_shape(SHAPES[s], args.repeats)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps({"versions": info, "rows": rows}, indent=1))
+    write_markdown(rows, info, out, args.repeats)
+    plot(rows, out)
+
+
+if __name__ == "__main__":
+    main()
