@@ -1,4 +1,6 @@
-"""CPU benchmark: the fused loss eager vs compiled against the three lm_head GEMMs over the active tokens.
+"""CPU benchmark: the fused loss eager vs compiled, against the three lm_head GEMMs over the active tokens (the
+floor), full logits with autograd, and TRL 1.16.0's CPU path (its fused head scores every position on a
+device without Triton) followed by the same loss.
 
 Shape (DESIGN.md): fp32, B=4, T=256, H=512, V=32000, positions 200+ of every row padded (800 active tokens),
 dapo, forward + backward. Medians over --repeats runs after warm-up, every method in this process.
@@ -9,6 +11,7 @@ dapo, forward + backward. Medians over --repeats runs after warm-up, every metho
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import platform
 import statistics
 import time
@@ -34,6 +37,40 @@ def gemm_floor(hidden, weight, ids, mask, adv):
     z = x @ weight.T
     _ = z @ weight
     _ = z.T @ x
+
+
+def same_loss(logp, entropy, mask, adv):
+    import reference
+
+    return reference.grpo_objective(logp, entropy, mask, adv, loss_type="dapo").loss
+
+
+def full_logits(hidden, weight, ids, mask, adv):
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    log_p = torch.log_softmax(h @ w.T, -1)
+    logp = log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    same_loss(logp, -(log_p.exp() * log_p).sum(-1), mask, adv).backward()
+
+
+def trl_cpu_path():
+    """TRL 1.16.0's fused head as it runs on a CPU (every position scored), then the same loss; None if absent."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+    def run(hidden, weight, ids, mask, adv):
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_()
+        flat = h.reshape(-1, h.shape[-1])
+        logp, entropy, *_ = ChunkedLogProbFunction.apply(flat, w, None, ids.reshape(-1), 1.0, chunk, None, 1.0,
+                                                         ("entropy",))  # fmt: skip
+        m = mask.bool()
+        same_loss(logp.view(m.shape).masked_fill(~m, 0), entropy.view(m.shape).masked_fill(~m, 0), mask, adv).backward()
+
+    return run
 
 
 def fused(loss_fn):
@@ -64,6 +101,8 @@ def main(argv=None):
     batch = make_batch()
     methods = {
         "three lm_head GEMMs over active tokens (floor)": gemm_floor,
+        "full logits + autograd": full_logits,
+        "TRL 1.16 CPU path + loss": trl_cpu_path(),
         "compiled_grpo speed, eager": fused(FusedLinearGRPOLoss(compiled=False, schedule="speed")),
         "compiled_grpo speed, compiled": fused(FusedLinearGRPOLoss(compiled=True, schedule="speed")),
         "compiled_grpo memory, eager": fused(FusedLinearGRPOLoss(compiled=False, schedule="memory")),
@@ -71,6 +110,9 @@ def main(argv=None):
     }
     results = {}
     for name, fn in methods.items():
+        if fn is None:
+            print(f"{name:50s} skipped: not installed", flush=True)
+            continue
         results[name] = median_seconds(fn, batch, args.repeats)
         print(f"{name:50s} {results[name] * 1e3:8.1f} ms", flush=True)
     floor = results["three lm_head GEMMs over active tokens (floor)"]
@@ -86,6 +128,10 @@ def main(argv=None):
     lines += [f"| {name} | {t * 1e3:.1f} | {t / floor:.2f} |" for name, t in results.items()]
     eager, comp = results["compiled_grpo speed, eager"], results["compiled_grpo speed, compiled"]
     lines += ["", f"compiled is {eager / comp:.2f}x faster than eager (speed schedule)."]
+    trl = results.get("TRL 1.16 CPU path + loss")
+    versions = f"TRL {md.version('trl')}" if trl else "TRL not installed"
+    if trl:
+        lines += [f"compiled speed schedule is {trl / comp:.2f}x faster than TRL's CPU path ({versions})."]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-1:]))
