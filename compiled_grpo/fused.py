@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import streaming
+from . import distributed, streaming
+from .distributed import LOCAL
 
 
 class Kernels:
@@ -23,6 +24,7 @@ class Kernels:
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compiled else (lambda f: f)
         self.compiled = compiled
         self.statistics = wrap(streaming.statistics_tile)
+        self.partial_statistics = wrap(streaming.partial_statistics_tile)
         self.statistics_and_logits = wrap(streaming.statistics_and_logits_tile)
         self.gradient_from_logits = wrap(streaming.gradient_from_logits_tile)
         self.gradient_vocab = wrap(streaming.gradient_vocab_tile)
@@ -34,15 +36,19 @@ def head_values(cfg, dtype, device) -> torch.Tensor:
     return torch.tensor([cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0], dtype=dtype, device=device)
 
 
-def statistics_pass(k: Kernels, x, weight, bias, targets, head_values, softcap, tiles, rows: int):
+def statistics_pass(k: Kernels, x, weight, bias, targets, head_values, softcap, tiles, rows: int, vocab_group=LOCAL):
     """(logp, entropy, lse) for every slot, `rows` tokens at a time against the whole vocabulary (a tile of
-    more rows is split, keeping the [rows, V] float32 logits the only large temporary)."""
+    more rows is split, keeping the [rows, V] float32 logits the only large temporary). With a vocabulary-
+    parallel group, `weight` is this rank's slice, `targets` are relative to its first row, and the slices'
+    statistics are combined across the group."""
     pieces = [(s + i, min(rows, n - i)) for s, n in tiles for i in range(0, n, rows)]
-    outs = [k.statistics(x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap) for s, n in pieces]
+    fold = k.statistics if vocab_group is LOCAL else k.partial_statistics
+    outs = [fold(x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap) for s, n in pieces]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
         return empty, empty, empty
-    return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+    outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+    return outs if vocab_group is LOCAL else distributed.combine_vocab_shards(*outs, vocab_group)
 
 
 def accumulator(like: torch.Tensor, shape) -> torch.Tensor:
@@ -54,26 +60,26 @@ class StreamedStatistics(torch.autograd.Function):
     """Memory schedule: logp and entropy per slot from x [slots,H]; gradients recomputed vocab-outer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, head_values, kernels, softcap, tiles, vocab_tile, stats_rows):
-        logp, entropy, lse = statistics_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, stats_rows)
+    def forward(
+        ctx, x, weight, bias, targets, head_values, kernels, softcap, tiles, vocab_tile, stats_rows, vocab_group
+    ):
+        logp, entropy, lse = statistics_pass(
+            kernels, x, weight, bias, targets, head_values, softcap, tiles, stats_rows, vocab_group
+        )
         ctx.save_for_backward(x, weight, bias, targets, head_values, lse, entropy)
-        ctx.setup = (kernels, softcap, tiles, vocab_tile)
+        ctx.setup = (kernels, softcap, tiles, vocab_tile, vocab_group)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         x, weight, bias, targets, head_values, lse, entropy = ctx.saved_tensors
-        kernels, softcap, tiles, vocab_tile = ctx.setup
+        kernels, softcap, tiles, vocab_tile, vocab_group = ctx.setup
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         dx = torch.empty(x.shape, dtype=streaming.stat_dtype(x), device=x.device)
         if not tiles:  # nothing active: zero gradients
-            return (
-                dx.to(x.dtype),
-                torch.zeros_like(weight) if need_w else None,
-                torch.zeros_like(bias) if need_b else None,
-                *(None,) * 7,
-            )
+            zeros = lambda t, need: torch.zeros_like(t) if need else None
+            return dx.to(x.dtype), zeros(weight, need_w), zeros(bias, need_b), *(None,) * 8
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b else None
         starts = range(0, weight.shape[0], vocab_tile)
@@ -98,7 +104,8 @@ class StreamedStatistics(torch.autograd.Function):
                 dw[v0 : v0 + vocab_tile] = dw_v
             if need_b:
                 db[v0 : v0 + vocab_tile] = db_v
-        return dx.to(x.dtype), dw, db, None, None, None, None, None, None, None
+        distributed.all_sum_(dx, vocab_group)  # each vocabulary slice contributes to every token's dX
+        return dx.to(x.dtype), dw, db, *(None,) * 8
 
 
 class PrecomputedGradients(torch.autograd.Function):

@@ -68,6 +68,7 @@ class FusedLinearGRPOLoss:
         speed_tile: int | None = None,
         logits_budget_bytes: int = 4 << 30,
         process_group=None,
+        vocab_parallel_group=None,
         **settings,
     ):
         unknown = set(settings) - set(SETTING_NAMES)
@@ -76,6 +77,8 @@ class FusedLinearGRPOLoss:
         self.config = GRPOLossConfig(**settings)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "speed" and vocab_parallel_group is not None:
+            raise ValueError("schedule='speed' does not support a vocabulary-parallel lm_head; use 'memory' or 'auto'")
         if schedule == "speed" and self.config.uses_entropy_mask:
             raise ValueError(
                 "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "
@@ -89,7 +92,12 @@ class FusedLinearGRPOLoss:
         self.validate = validate
         self.tile_overrides = {k: v for k, v in knobs.items() if v is not None}
         self.logits_budget_bytes = logits_budget_bytes
+        # Vocabulary-parallel ranks hold the same tokens: their batch reductions stay local unless a
+        # data-parallel group is given.
+        if process_group is None and vocab_parallel_group is not None:
+            process_group = distributed.LOCAL
         self.process_group = process_group
+        self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
         self.kernels = fused.Kernels(compiled)
 
     # ------------------------------------------------------------------ entry point
@@ -128,6 +136,7 @@ class FusedLinearGRPOLoss:
         gradient_accumulation_steps=1,
         steps_per_generation=None,
         entropy_coef=None,
+        vocab_start=0,
     ) -> GRPOLossOutput:
         cfg = self.config
         per_token = {
@@ -151,10 +160,17 @@ class FusedLinearGRPOLoss:
             raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
         if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
             raise ValueError("gradient_accumulation_steps and steps_per_generation must be positive")
+        weight, bias = distributed.full_tensor(weight), distributed.full_tensor(bias)
+        if ref_weight is not None:
+            ref_weight, ref_bias = distributed.full_tensor(ref_weight), distributed.full_tensor(ref_bias)
         if self.validate:
+            vocab = weight.shape[0]
+            if self.vocab_group is not distributed.LOCAL:
+                vocab = int(distributed.all_sum(torch.tensor(vocab, device=weight.device), self.vocab_group))
             validation.check_values(
-                completion_ids, completion_mask, advantages, weight.shape[0], per_token, importance_sampling_ratio
+                completion_ids, completion_mask, advantages, vocab, per_token, importance_sampling_ratio
             )
+
         if cfg.beta != 0.0 and ref_per_token_logps is None:
             ref_per_token_logps = self._reference_logps(
                 hidden if ref_hidden is None else ref_hidden,
@@ -162,6 +178,7 @@ class FusedLinearGRPOLoss:
                 bias if ref_weight is None else ref_bias,
                 completion_ids,
                 completion_mask,
+                vocab_start,
             )
         dtype = streaming.stat_dtype(hidden)
         batch = objectives.make_batch(
@@ -187,7 +204,7 @@ class FusedLinearGRPOLoss:
             return self._speed(hidden, weight, bias, completion_ids, batch, plan, run)
         plan = tiling.plan_tokens(completion_mask, tiles["token_tile"], tiles["tail_tile"])
         return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, tiles["vocab_tile"],
-                            tiles["stats_rows"])  # fmt: skip
+                            tiles["stats_rows"], vocab_start)  # fmt: skip
 
     # ------------------------------------------------------------------ pieces
     def _tiles(self, device) -> dict[str, int]:
@@ -195,7 +212,7 @@ class FusedLinearGRPOLoss:
 
     def _speed_plan(self, mask, tile, tail, weight):
         """The speed schedule's tile plan, or None where the memory schedule runs."""
-        if self.schedule == "memory" or self.config.uses_entropy_mask:
+        if self.schedule == "memory" or self.config.uses_entropy_mask or self.vocab_group is not distributed.LOCAL:
             return None
         if self.schedule == "auto":
             logits_bytes = 3 * 4 * tile * weight.shape[0]  # logits, probabilities and their gradient in fp32
@@ -212,18 +229,19 @@ class FusedLinearGRPOLoss:
             )
         return plan
 
-    def _slots(self, hidden, ids, plan):
+    def _slots(self, hidden, ids, plan, vocab_start=0):
+        """Hidden rows and target ids in slot order; targets relative to this rank's first vocabulary row."""
         x = tiling.to_slots(hidden.reshape(-1, hidden.shape[-1]), plan, fill=None)
-        targets = tiling.to_slots(ids.reshape(-1).long(), plan, fill=0)
+        targets = tiling.to_slots(ids.reshape(-1).long(), plan, fill=0) - vocab_start
         return x, targets
 
-    def _reference_logps(self, hidden, weight, bias, ids, mask):
+    def _reference_logps(self, hidden, weight, bias, ids, mask, vocab_start):
         tiles = self._tiles(hidden.device)
         plan = tiling.plan_tokens(mask, tiles["token_tile"], tiles["tail_tile"])
         stats_rows = tiles["stats_rows"]
         head = fused.head_values(self.config, streaming.stat_dtype(hidden), hidden.device)
         with torch.no_grad():
-            x, targets = self._slots(hidden.detach(), ids, plan)
+            x, targets = self._slots(hidden.detach(), ids, plan, vocab_start)
             logp, _, _ = fused.statistics_pass(
                 self.kernels,
                 x,
@@ -234,6 +252,7 @@ class FusedLinearGRPOLoss:
                 self.config.final_logit_softcapping is not None,
                 plan.tiles,
                 stats_rows,
+                self.vocab_group,
             )
             return tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
 
@@ -259,14 +278,14 @@ class FusedLinearGRPOLoss:
             group=self.process_group,
         )
 
-    def _memory(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile, stats_rows):
+    def _memory(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile, stats_rows, vocab_start):
         cfg = self.config
         mask = batch.mask
         head = fused.head_values(cfg, mask.dtype, hidden.device)
-        x, targets = self._slots(hidden, ids, plan)
+        x, targets = self._slots(hidden, ids, plan, vocab_start)
         softcap = cfg.final_logit_softcapping is not None
         logp_s, entropy_s = fused.StreamedStatistics.apply(
-            x, weight, bias, targets, head, self.kernels, softcap, plan.tiles, vocab_tile, stats_rows
+            x, weight, bias, targets, head, self.kernels, softcap, plan.tiles, vocab_tile, stats_rows, self.vocab_group
         )
         logp = tiling.from_slots(logp_s, plan, mask.numel()).view(mask.shape)
         entropy = tiling.from_slots(entropy_s, plan, mask.numel()).view(mask.shape)

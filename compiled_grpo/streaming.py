@@ -59,18 +59,32 @@ def tile_logits(x, w, b, head, softcap: bool) -> torch.Tensor:
     return z * head[INV_TEMP]
 
 
-def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
-    """(logp, entropy, lse) per row of a full-vocabulary logits tile z [n,V]."""
+def _fold(z: torch.Tensor):
+    """Per row: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m)."""
     m = z.amax(-1, keepdim=True)
     shifted = z - m
     e = torch.exp(shifted)
-    s = e.sum(-1)
-    u = (e * shifted).sum(-1)
+    return m.squeeze(-1), e.sum(-1), (e * shifted).sum(-1)
+
+
+def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
+    """(logp, entropy, lse) per row of a full-vocabulary logits tile z [n,V]."""
+    m, s, u = _fold(z)
     log_s = torch.log(s)
-    lse = m.squeeze(-1) + log_s
+    lse = m + log_s
     entropy = log_s - u / s
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     return logp, entropy, lse
+
+
+def partial_statistics_tile(x, w, b, local_targets, head, softcap: bool):
+    """Vocabulary-parallel stats pass: (m, s, u, target logit) of one token tile against this rank's slice of
+    the vocabulary, the target logit 0 where the target lies in another rank's slice (distributed.py combines)."""
+    z = tile_logits(x, w, b, head, softcap)
+    m, s, u = _fold(z)
+    owned = (local_targets >= 0) & (local_targets < z.shape[-1])
+    target = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    return m, s, u, torch.where(owned, target, 0.0)
 
 
 def logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap: bool) -> torch.Tensor:

@@ -1,0 +1,244 @@
+"""Several ranks on gloo (processes spawned here) against one process on the whole batch.
+
+Data parallel: equal B per rank (as DDP gives), unequal token counts, a rank with no active token. For the loss
+types whose normalizer spans the whole batch, the loss averaged over ranks, the weight gradient averaged over
+ranks (what DDP does) and each rank's hidden gradient divided by P match the single process; bnpo normalizes per
+rank by definition, so each rank matches the reference on its own shard with the global entropy threshold. The
+entropy mask and the metrics are the global ones everywhere. Vocabulary parallel: two ranks each holding half
+of the lm_head match the unsharded loss. An FSDP2-style DTensor weight matches a plain one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import reference
+from compiled_grpo import FusedLinearGRPOLoss
+
+GLOBAL_LOSSES = ("grpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
+B_PER_RANK, T, H, V = 3, 9, 8, 37
+TILES = {"token_tile": 16, "tail_tile": 4, "vocab_tile": 16, "speed_tile": 16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker, world: int, *args):
+    mp.spawn(_entry, args=(world, free_port(), worker, args), nprocs=world, join=True)
+
+
+def _entry(rank, world, port, worker, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    worker(rank, world, *args)
+
+
+def backend() -> str:
+    """gloo on CPU (the tests); nccl on GPUs when run as `python tests/test_distributed.py --nccl`."""
+    return os.environ.get("GRPO_TEST_BACKEND", "gloo")
+
+
+def device() -> str:
+    return "cuda" if backend() == "nccl" else "cpu"
+
+
+def init(rank, world):
+    if backend() == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend(), rank=rank, world_size=world)
+
+
+def on_device(x: dict) -> dict:
+    return {k: (v.to(device()) if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+
+
+def whole_batch(world: int, seed: int, empty_rank=None) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    B = world * B_PER_RANK
+    lengths = torch.randint(1, T + 1, (B, 1), generator=g)
+    mask = (torch.arange(T) < lengths).long()
+    if empty_rank is not None:
+        mask[empty_rank * B_PER_RANK : (empty_rank + 1) * B_PER_RANK] = 0
+    x = {
+        "hidden": torch.randn(B, T, H, generator=g, dtype=torch.float64),
+        "weight": torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7,
+        "completion_ids": torch.randint(0, V, (B, T), generator=g),
+        "completion_mask": mask,
+        "advantages": torch.randn(B, generator=g, dtype=torch.float64),
+        "old_per_token_logps": -torch.rand(B, T, generator=g, dtype=torch.float64) * 4,
+        "ref_per_token_logps": -torch.rand(B, T, generator=g, dtype=torch.float64) * 4,
+    }
+    return x
+
+
+def shard(x: dict, rank: int) -> dict:
+    rows = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
+    return {k: (v if k == "weight" else v[rows]) for k, v in x.items()}
+
+
+def run(fn, x: dict, **kw):
+    """loss, outputs and gradients of hidden and weight for a loss callable on inputs x."""
+    h = x["hidden"].detach().clone().requires_grad_()
+    w = x["weight"].detach().clone().requires_grad_()
+    rest = {
+        k: v for k, v in x.items() if k not in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
+    }
+    out = fn(h, w, x["completion_ids"], x["completion_mask"], x["advantages"], **rest, **kw)
+    out.loss.backward()
+    return out, h.grad, w.grad
+
+
+def settings(loss_type: str, q: float) -> dict:
+    return {"loss_type": loss_type, "top_entropy_quantile": q, "beta": 0.04, "max_completion_length": T}
+
+
+def reference_fn(s):
+    return lambda *a, **k: reference.grpo_loss(*a, **k, **s)
+
+
+def close(a, b, what, rtol=1e-9):
+    a, b = torch.as_tensor(a).detach().double().cpu(), torch.as_tensor(b).detach().double().cpu()
+    if torch.isnan(b).all() and torch.isnan(a).all():
+        return
+    err = float((a - b).abs().max()) if b.numel() else 0.0
+    assert err <= rtol * max(float(b.abs().max()) if b.numel() else 0.0, 1e-12) + 1e-12, f"{what}: {err:.2e}"
+
+
+def data_parallel_worker(rank, world, seed, empty_rank):
+    x = whole_batch(world, seed, empty_rank)
+    cases = [(lt, q) for lt in GLOBAL_LOSSES for q in (1.0, 0.5)]
+    single = {c: run(reference_fn(settings(*c)), x) for c in cases}  # before any process group exists
+    init(rank, world)
+    try:
+        mine = on_device(shard(x, rank))
+        rows = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
+        for loss_type, q in cases:
+            out, dh, dw = run(FusedLinearGRPOLoss(compiled=False, **TILES, **settings(loss_type, q)), mine)
+            ref, ref_dh, ref_dw = single[(loss_type, q)]
+            what = f"rank {rank} {loss_type} q={q}"
+            close(dist_mean(out.loss.detach()), ref.loss, f"{what} loss averaged over ranks")
+            close(dist_mean(dw), ref_dw, f"{what} weight gradient averaged over ranks")
+            close(dh / world, ref_dh[rows], f"{what} hidden gradient")
+            if q < 1:
+                assert torch.equal(out.entropy_mask.cpu(), ref.entropy_mask[rows]), f"{what} entropy mask"
+            for name, value in ref.metrics.items():
+                close(out.metrics[name], value, f"{what} metric {name}")
+        # bnpo normalizes per rank: each rank against the reference on its own shard (global threshold)
+        for q in (1.0, 0.5):
+            s = settings("bnpo", q)
+            out, dh, dw = run(FusedLinearGRPOLoss(compiled=False, **TILES, **s), mine)
+            ref, ref_dh, ref_dw = run(reference_fn(s), mine)  # the reference gathers the threshold too
+            close(out.loss, ref.loss, f"rank {rank} bnpo q={q} loss")
+            close(dh, ref_dh, f"rank {rank} bnpo q={q} hidden gradient")
+            close(dw, ref_dw, f"rank {rank} bnpo q={q} weight gradient")
+            if q < 1:
+                expected = single[("dapo", q)][0].entropy_mask[rows]
+                assert torch.equal(out.entropy_mask.cpu(), expected), "bnpo entropy mask"
+    finally:
+        dist.destroy_process_group()
+
+
+def dist_mean(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+@pytest.mark.parametrize("world, empty_rank", [(2, None), (3, 2)], ids=["2 ranks", "3 ranks, one empty"])
+def test_data_parallel_matches_one_process(world, empty_rank):
+    spawn(data_parallel_worker, world, 7, empty_rank)
+
+
+def vocab_parallel_worker(rank, world, seed):
+    x = whole_batch(1, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x["bias"] = torch.randn(V, generator=g, dtype=torch.float64)
+    s = {**settings("dapo", 0.5), "temperature": 0.8, "final_logit_softcapping": 3.0, "entropy_coef": 0.02}
+    ref, ref_dh, ref_dw = run(reference_fn(s), x)
+    ref_hidden = x["hidden"] + 0.1
+    no_kl = {**s, "beta": 0.0}  # the reference model's log-probs under the same head settings
+    streamed = run(reference_fn(no_kl), {**x, "ref_per_token_logps": None, "hidden": ref_hidden})[0].per_token_logps
+    with_streamed_ref = run(reference_fn(s), {**x, "ref_per_token_logps": streamed})
+    init(rank, world)
+    try:
+        cut = [0, 19, V]  # unequal slices
+        lo, hi = cut[rank], cut[rank + 1]
+        x, ref_hidden = on_device(x), ref_hidden.to(device())
+        mine = {**x, "weight": x["weight"][lo:hi]}
+        loss_fn = FusedLinearGRPOLoss(compiled=False, vocab_parallel_group=dist.group.WORLD, **TILES, **s)
+        for expected, extra in ((ref, {}), (with_streamed_ref[0], {"ref_hidden": ref_hidden})):
+            inputs = dict(mine)
+            if extra:
+                inputs.pop("ref_per_token_logps")
+            inputs["bias"] = x["bias"][lo:hi].clone().requires_grad_()
+            out, dh, dw = run(loss_fn, inputs, vocab_start=lo, **extra)
+            close(out.loss, expected.loss, f"rank {rank} vocab-parallel loss")
+            close(out.per_token_logps, expected.per_token_logps, "logp")
+            close(out.entropy, expected.entropy, "entropy")
+            assert torch.equal(out.entropy_mask.cpu(), expected.entropy_mask)
+            for name, value in expected.metrics.items():
+                close(out.metrics[name], value, f"metric {name}")
+            if not extra:
+                close(dh, ref_dh, "hidden gradient")
+                close(dw, ref_dw[lo:hi], "weight gradient slice")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_matches_unsharded_head():
+    spawn(vocab_parallel_worker, 2, 11)
+
+
+def dtensor_worker(rank, world, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    init(rank, world)
+    try:
+        mesh = init_device_mesh(device(), (world,))
+        x = on_device(shard(whole_batch(world, seed), rank))
+        s = settings("dapo", 0.5)
+        loss_fn = FusedLinearGRPOLoss(compiled=False, **TILES, **s)
+        plain, plain_dh, plain_dw = run(loss_fn, x)
+        w = distribute_tensor(x["weight"].clone(), mesh, [Shard(0)]).requires_grad_()
+        h = x["hidden"].clone().requires_grad_()
+        rest = {k: v for k, v in x.items() if k not in ("hidden", "weight", "completion_ids", "completion_mask",
+                                                         "advantages")}  # fmt: skip
+        out = loss_fn(h, w, x["completion_ids"], x["completion_mask"], x["advantages"], **rest)
+        out.loss.backward()
+        close(out.loss, plain.loss, "DTensor loss")
+        close(h.grad, plain_dh, "DTensor hidden gradient")
+        assert w.grad.placements == w.placements, "gradient in the DTensor's layout"
+        rows = w.grad.to_local().shape[0]
+        start = rank * ((V + world - 1) // world)  # torch.chunk-style Shard(0) rows
+        close(w.grad.to_local(), plain_dw[start : start + rows], "DTensor weight gradient shard")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_dtensor_weight():
+    spawn(dtensor_worker, 2, 5)
+
+
+if __name__ == "__main__":  # the same comparisons over NCCL, one GPU per rank
+    import sys
+
+    if "--nccl" in sys.argv:
+        os.environ["GRPO_TEST_BACKEND"] = "nccl"
+    spawn(data_parallel_worker, 2, 7, None)
+    print(f"data parallel, 2 ranks ({backend()}): loss, gradients, entropy mask and metrics match one process")
+    spawn(data_parallel_worker, 2, 8, 1)
+    print(f"data parallel, 2 ranks, rank 1 without active tokens ({backend()}): matches one process")
+    spawn(vocab_parallel_worker, 2, 11)
+    print(f"vocabulary parallel, 2 ranks ({backend()}): matches the unsharded lm_head")
+    spawn(dtensor_worker, 2, 5)
+    print(f"DTensor (FSDP2) weight, 2 ranks ({backend()}): matches a plain weight, gradient in its layout")
