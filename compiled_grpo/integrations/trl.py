@@ -1,0 +1,179 @@
+"""TRL 1.16's GRPOTrainer computing its loss with compiled_grpo.
+
+    from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+    trainer = CompiledGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+
+Every loss setting comes from the trainer's `GRPOConfig` (loss type, clipping, delta, KL, importance sampling
+level and vLLM correction, top_entropy_quantile, OPSM, entropy bonus with TRL's adaptive controller, vespo,
+gradient accumulation), and the logit scale and softcap from the model's config, as TRL's fused head reads
+them. The model runs once per micro-batch with a pre-hook on its output embedding that takes the final hidden
+states and lets the head project only one position; the fused loss then streams the completion positions
+through the lm_head. TRL's metrics are logged under TRL's names. Also handled: the one-position shift between
+hidden states and completion ids, `tool_mask`, the MoE auxiliary loss (divided by gradient accumulation), eval
+mode (no accumulation), `cast_lm_head_to_fp32`, PEFT (an adapter on the backbone; not on lm_head itself), tied
+embeddings and FSDP2 DTensor weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer
+
+from ..loss import FusedLinearGRPOLoss
+
+MODEL_EXTRA_INPUTS = (
+    "pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids", "mm_token_type_ids",
+    "spatial_shapes", "image_position_ids",
+)  # fmt: skip
+
+
+def head_scaling(config) -> tuple[float, float | None]:
+    """(logit_scale, final_logit_softcapping) from a model config, read the way TRL 1.16's fused head reads them:
+    `logit_scale`, else `output_multiplier`, else `lm_head_multiplier`, else 1 / `logits_scaling` (times it for
+    HyperCLOVA X)."""
+    text = config.get_text_config()
+    scale = None
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if scale is None:
+            scale = getattr(text, name, None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
+    return (1.0 if scale is None else float(scale)), getattr(text, "final_logit_softcapping", None)
+
+
+def loss_settings(trainer: GRPOTrainer) -> dict:
+    args = trainer.args
+    logit_scale, softcap = head_scaling(trainer.accelerator.unwrap_model(trainer.model).config)
+    return {
+        "loss_type": args.loss_type,
+        "beta": args.beta,
+        "epsilon_low": args.epsilon,
+        "epsilon_high": trainer.epsilon_high,
+        "delta": args.delta,
+        "importance_sampling_level": args.importance_sampling_level,
+        "temperature": trainer.temperature,
+        "top_entropy_quantile": args.top_entropy_quantile,
+        "max_completion_length": args.max_completion_length,
+        "sapo_temperature_pos": args.sapo_temperature_pos,
+        "sapo_temperature_neg": args.sapo_temperature_neg,
+        "vespo_k_pos": args.vespo_k_pos,
+        "vespo_lambda_pos": args.vespo_lambda_pos,
+        "vespo_k_neg": args.vespo_k_neg,
+        "vespo_lambda_neg": args.vespo_lambda_neg,
+        "use_bias_correction_kl": args.use_bias_correction_kl,
+        "off_policy_mask_threshold": args.off_policy_mask_threshold,
+        "logit_scale": logit_scale,
+        "final_logit_softcapping": softcap,
+    }
+
+
+def completion_hidden_states(model, lm_head, model_inputs: dict, completion_length: int):
+    """The final hidden states that predict the completion tokens [B, C, H], and the model's output.
+
+    A forward pre-hook on the output embedding takes its input (the last C + 1 positions, with
+    `logits_to_keep`) and hands the head only the last position, so no [B, C, V] logits are made."""
+    captured = {}
+
+    def take_input(module, args):
+        captured["hidden"] = args[0]
+        return (args[0][:, -1:], *args[1:])
+
+    handle = lm_head.register_forward_pre_hook(take_input)
+    try:
+        outputs = model(**model_inputs, logits_to_keep=completion_length + 1, use_cache=False)
+    finally:
+        handle.remove()
+    return captured["hidden"][:, :-1], outputs
+
+
+class CompiledGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss. `compiled` and `schedule` are passed to
+    `FusedLinearGRPOLoss`; everything else is TRL's."""
+
+    def __init__(self, *args, compiled: bool = True, schedule: str = "auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **loss_settings(self))
+
+    def _compute_loss(self, model, inputs):
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        model_inputs = {
+            "input_ids": torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+            **{k: inputs[k] for k in MODEL_EXTRA_INPUTS if inputs.get(k) is not None},
+        }
+        if self.aux_loss_enabled:
+            model_inputs["output_router_logits"] = True
+        lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        with self.accelerator.autocast():
+            hidden, outputs = completion_hidden_states(model, lm_head, model_inputs, completion_ids.size(1))
+            out = self._fused_loss(hidden, lm_head, completion_ids, mask, inputs, mode, accumulation)
+        loss = out.loss
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
+        for name, value in out.metrics.items():
+            self._metrics[mode][name].append(float(value))
+        if self._entropy_bonus_enabled:
+            self._update_entropy_controller(out, mask, mode)
+        return loss
+
+    def _fused_loss(self, hidden, lm_head, completion_ids, mask, inputs, mode, accumulation):
+        weight, bias = lm_head.weight, lm_head.bias
+        autocast_off = None
+        if self.args.cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            autocast_off = torch.autocast(hidden.device.type, enabled=False)
+        args = self.args
+        ratio = inputs.get("importance_sampling_ratio")
+        use_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or args.loss_type == "vespo"
+        call = {
+            "bias": bias,
+            "old_per_token_logps": inputs.get("old_per_token_logps"),
+            "ref_per_token_logps": inputs.get("ref_per_token_logps") if args.beta != 0.0 else None,
+            "importance_sampling_ratio": ratio if use_ratio else None,
+            "sampling_per_token_logps": inputs.get("sampling_per_token_logps"),
+            "num_items_in_batch": inputs.get("num_items_in_batch"),
+            "num_processes": self.accelerator.num_processes,
+            "gradient_accumulation_steps": accumulation,
+            "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
+            "entropy_coef": self._entropy_coef_to_apply(hidden.device),
+        }
+        if autocast_off is None:
+            return self.fused_loss(hidden, weight, completion_ids, mask, inputs["advantages"], **call)
+        with autocast_off:
+            return self.fused_loss(hidden, weight.float(), completion_ids, mask, inputs["advantages"], **call)
+
+    def _entropy_coef_to_apply(self, device):
+        """TRL's gating: the coefficient from the end of the previous optimizer step; 0 when the bonus is off.
+        A tensor, so that a changing coefficient never recompiles anything and policy_loss is logged as TRL does."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy:
+            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        else:
+            coef = self.entropy_coef
+        return torch.tensor(float(coef), device=device)
+
+    def _update_entropy_controller(self, out, mask, mode):
+        """TRL's adaptive entropy controller: a window-global entropy over the accumulation window, all ranks."""
+        if self.use_adaptive_entropy and mode == "train":
+            effective = mask if out.entropy_mask is None else mask * out.entropy_mask
+            stats = torch.stack([(out.entropy * effective).sum(), effective.sum().to(out.entropy.dtype)]).detach()
+            self._entropy_window_stats = (
+                stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            )
+            if self.accelerator.sync_gradients:
+                window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                step = self.args.entropy_coef_delta
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
