@@ -11,11 +11,6 @@ import reference
 # Small tiles so that T = 37 and V = 1021 exercise full tiles, tail tiles and a vocabulary tail.
 TILES = {"token_tile": 64, "tail_tile": 8, "vocab_tile": 256, "speed_tile": 64}
 
-CALL_INPUTS = (
-    "bias", "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio", "sampling_per_token_logps",
-    "num_items_in_batch", "num_processes", "gradient_accumulation_steps", "steps_per_generation",
-)  # fmt: skip
-
 
 def make_inputs(
     seed=0,
