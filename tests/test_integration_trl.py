@@ -7,7 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer
@@ -37,7 +37,7 @@ def digit_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
-def make_trainer(cls, tmp_path, model, max_steps=1, **settings):
+def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, **settings):
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=max_steps, learning_rate=5e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
@@ -49,6 +49,8 @@ def make_trainer(cls, tmp_path, model, max_steps=1, **settings):
         model.save_pretrained(tmp_path / "policy")
         model.config._name_or_path = str(tmp_path / "policy")
     extra = {"compiled": False} if cls is CompiledGRPOTrainer else {}
+    if peft_config is not None:
+        extra["peft_config"] = peft_config
     return cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=data, processing_class=tokenizer(),
                **extra)  # fmt: skip
 
@@ -109,8 +111,8 @@ def test_trainer_variants_match_trl(tmp_path, variant):
     compare_with_trl(tmp_path, tiny_model(**head), {"loss_type": "dapo", **settings}, **how)
 
 
-def compare_with_trl(tmp_path, model, settings, tool_mask=False, eval=False):
-    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, model, **settings)
+def compare_with_trl(tmp_path, model, settings, tool_mask=False, eval=False, peft_config=None):
+    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, model, peft_config=peft_config, **settings)
     trainer.model.train(not eval)
     trainer.current_gradient_accumulation_steps = 2
     inputs = micro_batch()
@@ -139,6 +141,7 @@ def compare_with_trl(tmp_path, model, settings, tool_mask=False, eval=False):
     assert ours[2].keys() == theirs[2].keys()
     for name, value in theirs[2].items():
         assert ours[2][name] == pytest.approx(value, rel=2e-5, abs=1e-7), name
+    return ours[2]
 
 
 def test_three_training_steps_change_the_parameters(tmp_path):
@@ -152,3 +155,49 @@ def test_three_training_steps_change_the_parameters(tmp_path):
     assert len(changed) >= len(before) // 2
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"entropy", "clip_ratio/region_mean", "loss"} <= logged
+
+
+def tiny_moe(seed=0):
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.05, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)  # float32: the experts' grouped GEMM has no float64 kernel
+
+
+def test_moe_auxiliary_loss_matches_trl(tmp_path):
+    metrics = compare_with_trl(tmp_path, tiny_moe(), {"loss_type": "grpo"})
+    assert metrics["aux_loss"] > 0
+
+
+def test_peft_adapter_matches_trl(tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is in the test extras")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    compare_with_trl(tmp_path, tiny_model(), {"loss_type": "dapo", "top_entropy_quantile": 0.2}, peft_config=lora)
+
+
+def test_adaptive_entropy_controller_matches_trl(tmp_path):
+    """Two accumulation windows: the coefficient gating, its update and the logged values agree with TRL's."""
+    settings = {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 5.0, "entropy_coef_delta": 0.02}
+    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(), loss_type="dapo", **settings)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    start = (trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats)
+    batches = [micro_batch(seed=0), micro_batch(seed=1)]
+    runs = []
+    for fn in (lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer._compute_loss):
+        trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = start
+        results = []
+        for inputs in batches:
+            loss, grads, metrics = loss_and_grads(fn, trainer, inputs)
+            results.append((loss, metrics, trainer.entropy_coef, trainer._last_world_entropy))
+        runs.append(results)
+    for (l_t, m_t, c_t, e_t), (l_o, m_o, c_o, e_o) in zip(*runs, strict=True):
+        torch.testing.assert_close(l_o, l_t.to(l_o.dtype), rtol=2e-5, atol=1e-7)
+        assert c_o == pytest.approx(c_t) and e_o == pytest.approx(e_t, rel=1e-5)
+        assert m_o.keys() == m_t.keys()
+        for name in m_t:
+            assert m_o[name] == pytest.approx(m_t[name], rel=2e-5, abs=1e-7), name
+    assert runs[1][1][2] == pytest.approx(0.05 + 2 * 0.02)  # raised twice: entropy stayed below the target
