@@ -12,9 +12,12 @@ FLOOR = 1e-6
 # float32: statistics are accumulated in float32 over the vocabulary (log-sum-exp of ~1e3..1e5 terms), so
 # per-token logp and entropy carry ~1e-6 relative rounding; the loss and metrics are sums over tokens of those.
 # Gradients add one float32 GEMM over H or over the active tokens (~1e-6 each, a few ulps over the sum).
+# The loss and metrics sum per-token terms over up to ~1000 tokens; vespo's weight exponentiates a row's *summed*
+# log-ratio (phi = exp(lam + k lw - lam e^lw)), so per-token errors add up over the row before being amplified by
+# k: the --full sweep (T=129, V=4099) measured up to 1.6e-5 there, against ~3e-6 for the other loss types.
 FP32 = {
-    "loss": 1e-5,  # float32 sums of per-token terms, each ~1e-6 relative
-    "metric": 1e-5,  # masked means of float32 quantities (counts are exact unless a token sits on a clip bound)
+    "loss": 5e-5,
+    "metric": 5e-5,  # masked means of float32 quantities (counts are exact unless a token sits on a clip bound)
     "logp": 1e-5,
     "entropy": 1e-5,
     "gradient": 3e-5,  # float32 GEMMs over H and over N tokens: error grows with sqrt(N) ulps
@@ -26,8 +29,8 @@ FP32 = {
 # the dX and dW products), so they are held to a three-way bound instead: no further from the float64 truth
 # than plain full-logits autograd in bf16 (what a user would write), plus BF16_GRADIENT_SLACK of the scale.
 BF16 = {
-    "loss": 2e-5,
-    "metric": 2e-5,
+    "loss": 5e-5,  # as float32: the statistics are the same float32 accumulations (measured up to 2.8e-5, sapo)
+    "metric": 5e-5,
     "logp": 1e-5,
     "entropy": 1e-5,
     "gradient": None,  # three-way, see BF16_GRADIENT_SLACK
