@@ -88,6 +88,13 @@ def write_plots(results: list[CellResult], out: Path) -> list[str]:
     return written
 
 
+def _save(plt, fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def _heatmaps(plt, loss: list[CellResult], out: Path) -> str:
     dtypes = sorted({r.params["dtype"] for r in loss})
     types = list(dict.fromkeys(r.params["loss_type"] for r in loss))
@@ -109,10 +116,7 @@ def _heatmaps(plt, loss: list[CellResult], out: Path) -> str:
                 ax.text(j, i, f"{grid[i][j]:.1f}", ha="center", va="center", color="w", fontsize=8)
         ax.set_title(f"{dtype}: log10 worst relative error\n(loss and gradients, all levels, modes, schedules)")
         fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(out / "loss_error_heatmap.png", dpi=110)
-    plt.close(fig)
-    return "loss_error_heatmap.png"
+    return _save(plt, fig, out, "loss_error_heatmap.png")
 
 
 def _entropy_vs_vocab(plt, entropy: list[CellResult], out: Path) -> str:
@@ -122,7 +126,7 @@ def _entropy_vs_vocab(plt, entropy: list[CellResult], out: Path) -> str:
             (r.params["V"], max(r.params["entropy_error"], 1e-12)) for r in entropy if r.params["case"] == case
         )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=case)
-    tol = entropy[0].checks[1].tolerance
+    tol = next(c.tolerance for c in entropy[0].checks if c.what == "entropy")
     ax.axhline(tol, color="r", ls="--", label="tolerance")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -130,10 +134,7 @@ def _entropy_vs_vocab(plt, entropy: list[CellResult], out: Path) -> str:
     ax.set_ylabel("|entropy - scipy| (nats, floor 1e-12)")
     ax.set_title("Streaming entropy error against scipy (float64)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "entropy_error_vs_vocab.png", dpi=110)
-    plt.close(fig)
-    return "entropy_error_vs_vocab.png"
+    return _save(plt, fig, out, "entropy_error_vs_vocab.png")
 
 
 def _bf16_distribution(plt, bf16: list[CellResult], out: Path) -> str:
@@ -149,7 +150,4 @@ def _bf16_distribution(plt, bf16: list[CellResult], out: Path) -> str:
     ax.set_ylabel("cells")
     ax.set_title("bf16 gradient errors across cells")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "bf16_error_distribution.png", dpi=110)
-    plt.close(fig)
-    return "bf16_error_distribution.png"
+    return _save(plt, fig, out, "bf16_error_distribution.png")

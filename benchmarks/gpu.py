@@ -88,6 +88,22 @@ def same_loss(logp, entropy, x, shape, ref_logp=None):
     return reference.grpo_objective(logp, entropy, x["mask"], x["advantages"], **kw, **loss_settings(shape)).loss
 
 
+def head_then_loss(head, shape, x):
+    """A method that gets (logp, entropy) from `head(hidden, weight)` and then applies the same loss; with
+    beta, the reference model's log-probs come from the same head without gradient."""
+
+    def run():
+        h = x["hidden"].detach().requires_grad_()
+        ref_logp = None
+        if shape.beta:
+            with torch.no_grad():
+                ref_logp = head(x["ref_hidden"], x["ref_weight"])[0]
+        logp, entropy = head(h, x["weight"])
+        same_loss(logp, entropy, x, shape, ref_logp).backward()
+
+    return run
+
+
 def full_logits(shape, x):
     def logp_entropy(hidden, weight):
         logits = (hidden @ weight.T).float()
@@ -95,16 +111,7 @@ def full_logits(shape, x):
         logp = log_p.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1)
         return logp, -(log_p.exp() * log_p).sum(-1)
 
-    def run():
-        h = x["hidden"].detach().requires_grad_()
-        ref_logp = None
-        if shape.beta:
-            with torch.no_grad():
-                ref_logp = logp_entropy(x["ref_hidden"], x["ref_weight"])[0]
-        logp, entropy = logp_entropy(h, x["weight"])
-        same_loss(logp, entropy, x, shape, ref_logp).backward()
-
-    return run
+    return head_then_loss(logp_entropy, shape, x)
 
 
 def trl_fused_head(shape, x):
@@ -122,16 +129,7 @@ def trl_fused_head(shape, x):
         scatter = lambda t: t.new_zeros(mask.shape).masked_scatter(mask, t)
         return scatter(logp), scatter(entropy)
 
-    def run():
-        h = x["hidden"].detach().requires_grad_()
-        ref_logp = None
-        if shape.beta:
-            with torch.no_grad():
-                ref_logp = head(x["ref_hidden"], x["ref_weight"])[0]
-        logp, entropy = head(h, x["weight"])
-        same_loss(logp, entropy, x, shape, ref_logp).backward()
-
-    return run
+    return head_then_loss(head, shape, x)
 
 
 def liger(shape, x):
