@@ -177,7 +177,6 @@ METHODS = {
     "compiled_grpo speed, compiled": ours("speed", True),
     "compiled_grpo memory, eager": ours("memory", False),
     "compiled_grpo memory, compiled": ours("memory", True),
-    "compiled_grpo speed, compiled, speed_tile=4096": ours("speed", True, speed_tile=4096),
 }
 
 
@@ -294,6 +293,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--methods", default=None, help="comma-separated substrings of method names to keep")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="extra compiled runs of this library, ';'-separated, each 'schedule:knob=value,...' "
+        "(e.g. 'memory:vocab_tile=16384;speed:speed_tile=1024')",
+    )
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     if args.methods:
@@ -301,6 +306,10 @@ def main(argv=None):
         for name in list(METHODS):
             if not name.startswith("floor") and not any(k in name for k in keep):
                 del METHODS[name]
+    for variant in filter(None, args.variants.split(";")):
+        schedule, _, knobs = variant.partition(":")
+        tiles = {k: int(v) for k, v in (kv.split("=") for kv in filter(None, knobs.split(",")))}
+        METHODS[f"compiled_grpo {schedule}, compiled, {knobs}"] = ours(schedule, True, **tiles)
     info = versions()
     print(json.dumps(info), flush=True)
     rows = [r for s in args.shapes.split(",") for r in run_shape(SHAPES[s], args.repeats)]

@@ -26,7 +26,7 @@ class Kernels:
         self.statistics = wrap(streaming.statistics_tile)
         self.partial_statistics = wrap(streaming.partial_statistics_tile)
         self.statistics_and_logits = wrap(streaming.statistics_and_logits_tile)
-        self.gradient_from_logits = wrap(streaming.gradient_from_logits_tile)
+        self.gradient_from_product = wrap(streaming.gradient_from_product_tile)
         self.gradient_vocab = wrap(streaming.gradient_vocab_tile)
 
 
@@ -84,10 +84,13 @@ class StreamedStatistics(torch.autograd.Function):
         db = torch.empty_like(bias) if need_b else None
         starts = range(0, weight.shape[0], vocab_tile)
         offsets = torch.tensor(list(starts), device=x.device)  # one copy to the device, not one per slice
+        direct = len(tiles) == 1  # one token tile: a dW slice is one GEMM, written in weight's dtype directly
         for j, v0 in enumerate(starts):
             w_v = weight[v0 : v0 + vocab_tile]
             b_v = bias[v0 : v0 + vocab_tile] if bias is not None else None
-            dw_v = torch.empty(w_v.shape, dtype=dx.dtype, device=x.device) if need_w else None
+            dw_v = None
+            if need_w:
+                dw_v = dw[v0 : v0 + vocab_tile] if direct else torch.empty(w_v.shape, dtype=dx.dtype, device=x.device)
             db_v = accumulator(x, w_v.shape[:1]) if need_b else None
             offset = offsets[j]
             for i, (s, n) in enumerate(tiles):
@@ -96,11 +99,13 @@ class StreamedStatistics(torch.autograd.Function):
                     g_logp[s : s + n], g_entropy[s : s + n], head_values, softcap,
                 )  # fmt: skip
                 streaming.add_matmul(dx[s : s + n], d_raw, w_v, first=j == 0)
-                if need_w:
+                if direct and need_w:
+                    torch.mm(d_raw.T, x[s : s + n], out=dw_v)
+                elif need_w:
                     streaming.add_matmul(dw_v, d_raw.T, x[s : s + n], first=i == 0)
                 if need_b:
                     db_v += db_t
-            if need_w:
+            if need_w and not direct:
                 dw[v0 : v0 + vocab_tile] = dw_v
             if need_b:
                 db[v0 : v0 + vocab_tile] = db_v
@@ -125,30 +130,44 @@ class PrecomputedGradients(torch.autograd.Function):
         return (None, *grads, None, None, None)
 
 
+def buffers_weight_gradient(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """With 16-bit GEMMs, keeping every tile's logits gradient ([slots, V], 16-bit) for one dW GEMM at the end
+    beats a float32 [V, H] accumulator when it is no larger (slots <= 2H): dW then comes out of a single GEMM
+    that sums all tokens in float32 and rounds once, with no accumulator traffic and no final cast."""
+    return x.dtype in (torch.float16, torch.bfloat16) and 2 * x.shape[0] <= 4 * weight.shape[1]
+
+
 def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, gradient_of_tile, need_w, need_b):
-    """Per tile: stats and logits, then the objective's gradient for that tile (`gradient_of_tile(s, n, logp,
-    entropy)` -> (g_logp, g_entropy)), then dX, dW, db from the same logits. Returns the slots' dX and the
-    float32 dW and db; the stats reach the caller through `gradient_of_tile`."""
+    """Per tile: stats and the GEMM output, then the objective's gradient for that tile (`gradient_of_tile(s, n,
+    logp, entropy)` -> (g_logp, g_entropy)), then dX, dW, db from the same product. Returns the slots' dX (x's
+    dtype: each tile's dX is one GEMM over the whole vocabulary, rounded once), dW in weight's dtype and the
+    float32 db; the stats reach the caller through `gradient_of_tile`."""
     dtype = streaming.stat_dtype(x)
+    vocab = weight.shape[0]
     logp = x.new_zeros(x.shape[0], dtype=dtype)
     entropy = torch.zeros_like(logp)
-    dx = torch.empty(x.shape, dtype=dtype, device=x.device)
-    dw = torch.empty(weight.shape, dtype=dtype, device=x.device) if need_w else None
+    dx = torch.empty_like(x)
+    buffered = need_w and buffers_weight_gradient(x, weight)
+    d_all = torch.empty(x.shape[0], vocab, dtype=x.dtype, device=x.device) if buffered else None
+    dw = torch.empty(weight.shape, dtype=dtype, device=x.device) if need_w and not buffered else None
     db = accumulator(x, weight.shape[:1]) if need_b else None
     for i, (s, n) in enumerate(tiles):
         xs = x[s : s + n]
-        lp, h, lse, z = kernels.statistics_and_logits(xs, weight, bias, targets[s : s + n], head_values, softcap)
+        lp, h, lse, product = kernels.statistics_and_logits(xs, weight, bias, targets[s : s + n], head_values, softcap)
         logp[s : s + n], entropy[s : s + n] = lp, h
         g_logp, g_entropy = gradient_of_tile(s, n, logp, entropy)
-        d_raw, db_t = kernels.gradient_from_logits(
-            z, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, x.dtype, need_b
+        d_raw = d_all[s : s + n] if buffered else torch.empty(n, vocab, dtype=x.dtype, device=x.device)
+        db_t = kernels.gradient_from_product(
+            product, bias, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, d_raw, need_b
         )
-        del z
-        streaming.add_matmul(dx[s : s + n], d_raw, weight, first=True)
-        if need_w:
+        del product
+        torch.mm(d_raw, weight, out=dx[s : s + n])
+        if dw is not None:
             streaming.add_matmul(dw, d_raw.T, xs, first=i == 0)
         if need_b:
             db += db_t
-    if not tiles and need_w:
-        dw.zero_()
+    if buffered:
+        dw = torch.mm(d_all.T, x)
+    elif dw is not None:
+        dw = dw.to(weight.dtype) if tiles else torch.zeros_like(weight)
     return dx, dw, db

@@ -38,7 +38,8 @@ def default_tiles(device: torch.device) -> dict[str, int]:
     rows, the rest in tiles of `tail_tile` (`speed_tile` and `tail_tile` in the speed schedule).
     Memory schedule: the stats pass holds [stats_rows, V] float32 logits; the gradient pass [token_tile,
     vocab_tile] logits, and writes each vocab_tile slice of dW once per token tile (one big token tile: once).
-    Speed schedule: [speed_tile, V] float32 logits and their gradient, plus a float32 [V, H] dW accumulator."""
+    Speed schedule: a [speed_tile, V] float32 GEMM output and its 16-bit gradient, plus either the gradients of
+    all tiles (16-bit, when they take no more than a float32 [V, H]) or a float32 [V, H] dW accumulator."""
     if device.type == "cuda":
         return {"token_tile": 8192, "tail_tile": 512, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048}
     return {"token_tile": 256, "tail_tile": 32, "vocab_tile": 4096, "stats_rows": 256, "speed_tile": 256}
@@ -215,7 +216,8 @@ class FusedLinearGRPOLoss:
         if self.schedule == "memory" or self.config.uses_entropy_mask or self.vocab_group is not distributed.LOCAL:
             return None
         if self.schedule == "auto":
-            logits_bytes = 3 * 4 * tile * weight.shape[0]  # logits, probabilities and their gradient in fp32
+            logits_bytes = 6 * tile * weight.shape[0]  # a tile's float32 GEMM output and its 16-bit gradient
+            # a float32 dW accumulator, or the buffered 16-bit logits gradients that replace it (no larger)
             grads_bytes = 4 * weight.numel() if weight.requires_grad else 0
             if logits_bytes + grads_bytes > self.logits_budget_bytes:
                 return None
@@ -328,9 +330,11 @@ class FusedLinearGRPOLoss:
             cfg.final_logit_softcapping is not None, plan.tiles, gradient_of_tile, need_w, need_b,
         )  # fmt: skip
         d_hidden = None
-        if hidden.requires_grad:
+        if hidden.requires_grad and plan.identity:
+            d_hidden = dx_s.view(hidden.shape)
+        elif hidden.requires_grad:
             d_hidden = torch.zeros(B * T + 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
-            d_hidden.index_copy_(0, dest, dx_s.to(hidden.dtype))  # padding slots land in the scratch row
+            d_hidden.index_copy_(0, dest, dx_s)  # padding slots land in the scratch row
             d_hidden = d_hidden[: B * T].view(hidden.shape)
         logp, entropy = logp_flat[: B * T].view(B, T), entropy_flat[: B * T].view(B, T)
         value, metrics = self._finish(logp, entropy, batch, None, norms, run)

@@ -11,8 +11,8 @@ Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
   logp = z[y] - lse.
 Gradient: p = exp(z - lse),  dz = g_logp (onehot(y) - p) - g_H p (z - lse + H),
 then through the softcap and scale: d raw = dz * scale * inv_temp * (1 - (z / (cap * inv_temp))**2).
-The tiles hand back d raw in the GEMM dtype; the driver (fused.py) turns it into dX, dW with `add_matmul`,
-accumulating in float32 in place.
+The tiles hand back d raw in the GEMM dtype; the driver (fused.py) turns it into dX, dW, accumulating sums
+over tiles in float32.
 """
 
 from __future__ import annotations
@@ -50,21 +50,46 @@ def stat_dtype(x: torch.Tensor) -> torch.dtype:
 
 def tile_logits(x, w, b, head, softcap: bool) -> torch.Tensor:
     """z = softcap(scale * (x @ w.T + b)) * inv_temp for x [n,H], w [v,H]: [n,v] in float32 (float64 input: 64)."""
-    z = matmul_fp32(x, w.T)
-    if b is not None:
-        z = z + b.to(z.dtype)
+    return logits_from_product(matmul_fp32(x, w.T), b, head, softcap)
+
+
+def logits_from_product(product, b, head, softcap: bool) -> torch.Tensor:
+    """The logits from the float32 GEMM output x @ w.T (a pointwise epilogue Inductor fuses into its readers)."""
+    z = product if b is None else product + b.to(product.dtype)
     z = z * head[SCALE]
     if softcap:
         z = head[CAP] * torch.tanh(z / head[CAP])
     return z * head[INV_TEMP]
 
 
-def _fold(z: torch.Tensor):
-    """Per row: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m)."""
+FOLD_CHUNK = 1024  # vocabulary entries per chunk of the fold: small enough to be re-read from cache
+
+
+def _fold_rows(z: torch.Tensor):
+    """Over the last dim: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m)."""
     m = z.amax(-1, keepdim=True)
     shifted = z - m
     e = torch.exp(shifted)
     return m.squeeze(-1), e.sum(-1), (e * shifted).sum(-1)
+
+
+def _fold(z: torch.Tensor):
+    """(m, s, u) per row of z [n,V], in one read of z: each row is folded in chunks of FOLD_CHUNK entries (the
+    max and the sums of a chunk come from the same cached data, where a whole row of 152k float32 would be
+    read twice from memory), and the chunks are combined rescaled to the row max. Every term of the combined
+    u is <= 0, so the sum has no cancellation."""
+    n, vocab = z.shape
+    whole = vocab // FOLD_CHUNK * FOLD_CHUNK
+    parts = []
+    if whole:
+        parts.append(_fold_rows(z[:, :whole].view(n, whole // FOLD_CHUNK, FOLD_CHUNK)))
+    if whole < vocab:
+        parts.append(_fold_rows(z[:, whole:].unsqueeze(1)))
+    m_c, s_c, u_c = (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
+    m = m_c.amax(-1, keepdim=True)
+    gap = m_c - m
+    rescale = torch.exp(gap)
+    return m.squeeze(-1), (s_c * rescale).sum(-1), (rescale * (u_c + s_c * gap)).sum(-1)
 
 
 def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
@@ -105,9 +130,10 @@ def statistics_tile(x, w, b, targets, head, softcap: bool):
 
 
 def statistics_and_logits_tile(x, w, b, targets, head, softcap: bool):
-    """Stats of one token tile that also hands back its logits, for a gradient on the same tile."""
-    z = tile_logits(x, w, b, head, softcap)
-    return fold_statistics(z, targets) + (z,)
+    """Stats of one token tile that also hand back the GEMM output x @ w.T (not the logits: returning those
+    would write a second [n,V] float32 tensor), for a gradient on the same tile."""
+    product = matmul_fp32(x, w.T)
+    return fold_statistics(logits_from_product(product, b, head, softcap), targets) + (product,)
 
 
 def _raw_gradient(d_raw, dtype, need_b: bool):
@@ -116,10 +142,16 @@ def _raw_gradient(d_raw, dtype, need_b: bool):
     return d_raw.to(dtype), d_raw.sum(0) if need_b else None
 
 
-def gradient_from_logits_tile(z, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool, dtype, need_b: bool):
-    """Speed schedule: the gradient of one token tile's raw logits, from logits kept since its stats pass."""
+def gradient_from_product_tile(
+    product, b, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool, out, need_b: bool
+):
+    """Speed schedule: the gradient of one token tile's raw logits, from the GEMM output kept since its stats
+    pass, written into `out` ([n,V] in the GEMM dtype, a slice of a larger buffer); returns its bias part."""
+    z = logits_from_product(product, b, head, softcap)
     onehot = targets.unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
-    return _raw_gradient(logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap), dtype, need_b)
+    d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
+    out.copy_(d_raw)
+    return d_raw.sum(0) if need_b else None
 
 
 def gradient_vocab_tile(x, w_v, b_v, v0, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool):

@@ -19,6 +19,7 @@ class TilePlan:
     tiles: tuple[tuple[int, int], ...]  # (first slot, size) of every tile
     active: torch.Tensor  # [N] flat positions of the active tokens
     slot_of_active: torch.Tensor  # [N] slot of each active token
+    identity: bool = False  # every position active, slot i = position i: slots are a view, not a copy
 
     @property
     def slots(self) -> int:
@@ -42,7 +43,7 @@ def plan_tokens(mask: torch.Tensor, tile: int, tail: int) -> TilePlan:
     tiles = bulk_and_tail(n, tile, min(tail, tile))
     slots = tiles[-1][0] + tiles[-1][1] if tiles else 0
     slot_of_active = torch.arange(n, device=mask.device)
-    return _make_plan(active, slot_of_active, slots, tuple(tiles))
+    return _make_plan(active, slot_of_active, slots, tuple(tiles), identity=n == mask.numel() == slots)
 
 
 def plan_whole_rows(mask: torch.Tensor, tile: int) -> TilePlan | None:
@@ -60,19 +61,23 @@ def plan_whole_rows(mask: torch.Tensor, tile: int) -> TilePlan | None:
         used += int(length)
     slot_of_active = torch.tensor(offsets, dtype=torch.long, device=mask.device)
     tiles = tuple((i * tile, tile) for i in range(tiles_count if active.numel() else 0))
-    return _make_plan(active, slot_of_active, tiles_count * tile if tiles else 0, tiles)
+    slots = tiles_count * tile if tiles else 0
+    identity = len(offsets) == mask.numel() == slots and offsets == list(range(slots))
+    return _make_plan(active, slot_of_active, slots, tiles, identity)
 
 
-def _make_plan(active, slot_of_active, slots, tiles) -> TilePlan:
+def _make_plan(active, slot_of_active, slots, tiles, identity) -> TilePlan:
     source = torch.zeros(slots, dtype=torch.long, device=active.device)
     valid = torch.zeros(slots, dtype=torch.bool, device=active.device)
     source[slot_of_active] = active
     valid[slot_of_active] = True
-    return TilePlan(source, valid, tiles, active, slot_of_active)
+    return TilePlan(source, valid, tiles, active, slot_of_active, identity)
 
 
 def to_slots(flat: torch.Tensor, plan: TilePlan, fill=0) -> torch.Tensor:
     """A [B*T, ...] tensor laid out in slots (padding slots get `fill`)."""
+    if plan.identity:
+        return flat
     out = flat.index_select(0, plan.source)
     if fill is None:
         return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cases import TILES, assert_matches, make_inputs, run_fused, run_reference
 
-from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss
+from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, tiling
 
 warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
 
@@ -78,3 +78,19 @@ def test_float64_matches_reference(loss_type, name, schedule):
 @pytest.mark.parametrize("loss_type, name, schedule", CASES)
 def test_float32_matches_reference(loss_type, name, schedule):
     check(loss_type, name, schedule, torch.float32, rtol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["memory", "speed"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_every_position_active(loss_type, schedule):
+    """No padding and B*T a multiple of the tile: the slots are a view of hidden (no compaction copy) and the
+    memory schedule's single token tile writes each dW slice straight from its GEMM."""
+    x = make_inputs(seed=3, B=2, T=32, dtype=torch.float64, empty_row=False)
+    x["completion_mask"] = torch.ones_like(x["completion_mask"])
+    assert tiling.plan_tokens(x["completion_mask"], TILES["token_tile"], TILES["tail_tile"]).identity
+    settings = settings_for(loss_type, {"beta": 0.04})
+    x["ref_per_token_logps"] = x["old_per_token_logps"] - 0.1
+    ref, ref_grads = run_reference(x, settings)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **settings)
+    out, out_grads = run_fused(loss_fn, x)
+    assert_matches(out, out_grads, ref, ref_grads, rtol=1e-10)
