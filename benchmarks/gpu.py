@@ -292,7 +292,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--methods", default=None, help="comma-separated substrings of method names to keep")
+    ap.add_argument("--methods", default=None, help="';'-separated name substrings to keep (the floor always runs)")
     ap.add_argument(
         "--variants",
         default="",
@@ -302,7 +302,7 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     if args.methods:
-        keep = args.methods.split(",")
+        keep = [k for k in args.methods.split(";") if k]
         for name in list(METHODS):
             if not name.startswith("floor") and not any(k in name for k in keep):
                 del METHODS[name]

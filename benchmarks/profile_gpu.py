@@ -1,6 +1,7 @@
-"""Where the time goes: torch.profiler's CUDA kernel table for this library's compiled schedules on S1.
+"""Where the time goes: torch.profiler's CUDA kernel table for this library's compiled schedules on S1, and
+the GPU's idle gaps between kernels (time the GPU waits on the host), largest first.
 
-python -m benchmarks.profile_gpu [--schedule memory] [--rows 20]
+python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
 """
 
 from __future__ import annotations
@@ -37,6 +38,28 @@ def main(argv=None):
         torch.cuda.synchronize()
     print(f"{args.schedule} schedule on {args.shape}, 3 runs")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    print_gaps(prof, runs=3)
+
+
+def print_gaps(prof, runs: int, shown: int = 8, min_us: float = 20.0) -> None:
+    """Idle time between consecutive GPU kernels and copies: where the GPU waited for the host."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    gaps, end, before = [], None, None
+    for e in kernels:
+        if end is not None and e.time_range.start - end > min_us:
+            gaps.append((e.time_range.start - end, before, e.name))
+        if end is None or e.time_range.end > end:
+            end, before = e.time_range.end, e.name
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    print(
+        f"GPU busy {busy / runs / 1e3:.2f} ms per run; idle gaps over {min_us:.0f} us: "
+        f"{sum(g for g, _, _ in gaps) / runs / 1e3:.2f} ms per run (between runs included)"
+    )
+    for gap, a, b in sorted(gaps, reverse=True)[:shown]:
+        print(f"  {gap / 1e3:7.3f} ms  after {a[:60]}  before {b[:60]}")
 
 
 if __name__ == "__main__":

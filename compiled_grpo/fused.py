@@ -11,6 +11,8 @@ speed:  forward = per token tile, stats and gradient on the same logits (6NHV, n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import distributed, streaming
@@ -33,7 +35,13 @@ class Kernels:
 def head_values(cfg, dtype, device) -> torch.Tensor:
     """[logit_scale, 1 / temperature, softcap] as a tensor: new values never recompile the tiles."""
     cap = cfg.final_logit_softcapping
-    return torch.tensor([cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0], dtype=dtype, device=device)
+    return _constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, torch.device(device))
+
+
+@functools.cache
+def _constant(values: tuple, dtype, device) -> torch.Tensor:
+    """A small constant tensor, made once: each host-to-device copy waits for every kernel queued before it."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def statistics_pass(k: Kernels, x, weight, bias, targets, head_values, softcap, tiles, rows: int, vocab_group=LOCAL):
@@ -83,7 +91,7 @@ class StreamedStatistics(torch.autograd.Function):
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b else None
         starts = range(0, weight.shape[0], vocab_tile)
-        offsets = torch.tensor(list(starts), device=x.device)  # one copy to the device, not one per slice
+        offsets = torch.arange(0, weight.shape[0], vocab_tile, device=x.device)  # made on the device: no wait
         direct = len(tiles) == 1  # one token tile: a dW slice is one GEMM, written in weight's dtype directly
         for j, v0 in enumerate(starts):
             w_v = weight[v0 : v0 + vocab_tile]

@@ -293,7 +293,9 @@ class FusedLinearGRPOLoss:
         entropy = tiling.from_slots(entropy_s, plan, mask.numel()).view(mask.shape)
         entropy_mask = None
         if cfg.uses_entropy_mask:
-            entropy_mask = quantile.high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, self.process_group)
+            entropy_mask = quantile.high_entropy_mask(
+                entropy, mask, cfg.top_entropy_quantile, self.process_group, active=plan.active
+            )
         em = None if entropy_mask is None else entropy_mask.to(mask.dtype)
         norms = self._normalizers(batch, em, run)
         loss, metrics = self._finish(logp, entropy, batch, em, norms, run)
@@ -304,7 +306,10 @@ class FusedLinearGRPOLoss:
         mask = batch.mask
         B, T = mask.shape
         head = fused.head_values(cfg, mask.dtype, hidden.device)
-        norms = self._normalizers(batch, None, run)
+        # The normalizers are made at the first tile's gradient, so their small kernels are queued behind the
+        # first GEMM instead of delaying it.
+        made = {}
+        normalizers = lambda: made.get("norms") or made.setdefault("norms", self._normalizers(batch, None, run))
         # Slot -> flat [B*T] position, padding slots sent to a scratch entry at B*T: no boolean indexing, so the
         # tile loop never waits on the host.
         dest = torch.where(plan.valid, plan.source, B * T)
@@ -318,7 +323,9 @@ class FusedLinearGRPOLoss:
             entropy_flat.index_copy_(0, dest[s : s + n], entropy_slots[s : s + n])
             lp = logp_flat[: B * T].detach().clone().requires_grad_()
             h = entropy_flat[: B * T].detach().clone().requires_grad_()
-            loss, _ = objectives.loss_of_rows(lp.view(B, T), h.view(B, T), batch, cfg, norms, None, run["entropy_coef"])
+            loss, _ = objectives.loss_of_rows(
+                lp.view(B, T), h.view(B, T), batch, cfg, normalizers(), None, run["entropy_coef"]
+            )
             g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True, materialize_grads=True)
             src, valid = plan.source[s : s + n], plan.valid[s : s + n]
             return torch.where(valid, g_lp[src], 0.0), torch.where(valid, g_h[src], 0.0)
@@ -337,7 +344,7 @@ class FusedLinearGRPOLoss:
             d_hidden.index_copy_(0, dest, dx_s)  # padding slots land in the scratch row
             d_hidden = d_hidden[: B * T].view(hidden.shape)
         logp, entropy = logp_flat[: B * T].view(B, T), entropy_flat[: B * T].view(B, T)
-        value, metrics = self._finish(logp, entropy, batch, None, norms, run)
+        value, metrics = self._finish(logp, entropy, batch, None, normalizers(), run)
         loss = fused.PrecomputedGradients.apply(
             value, hidden, weight, bias, d_hidden,
             dw.to(weight.dtype) if need_w else None,

@@ -77,7 +77,9 @@ def make_normalizers(batch: Batch, cfg, entropy_mask, *, num_items, num_processe
     m = batch.mask
     if num_items is None:  # every micro-batch of the generation batch, every rank
         num_items = spg * distributed.all_sum(m.sum(), group)
-    items = torch.as_tensor(num_items, dtype=m.dtype, device=m.device).clamp(min=1.0) / num_processes * gas / spg
+    if not isinstance(num_items, torch.Tensor):
+        num_items = m.new_full((), float(num_items))  # filled on the device: no copy that waits for the GPU
+    items = num_items.to(device=m.device, dtype=m.dtype).clamp(min=1.0) / num_processes * gas / spg
     e = m if entropy_mask is None else m * entropy_mask
     return Normalizers(
         rows=m.shape[0],
@@ -90,8 +92,9 @@ def make_normalizers(batch: Batch, cfg, entropy_mask, *, num_items, num_processe
 
 # ---------------------------------------------------------------- per-token pieces
 def by_sign(condition, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
-    """A constant chosen by the advantage's sign, in `like`'s dtype (exact, where TRL rounds it to float32)."""
-    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+    """A constant chosen by the advantage's sign, in `like`'s dtype (exact, where TRL rounds it to float32).
+    `new_full` fills on the device: a host-to-device copy would wait for every kernel queued before it."""
+    return torch.where(condition, like.new_full((), if_true), like.new_full((), if_false))
 
 
 def log_importance_weights(logp, old, mask, level: str) -> torch.Tensor:
@@ -195,7 +198,7 @@ def _is_per_sequence(x, mask) -> bool:
 
 def masked_mean(x, mask, group=None) -> torch.Tensor:
     if _is_per_sequence(x, mask):
-        totals = torch.stack([x.sum(), x.new_tensor(float(x.shape[0]))])
+        totals = torch.stack([x.sum(), x.new_full((), float(x.shape[0]))])
     else:
         totals = torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)])
     totals = distributed.all_sum(totals.detach(), group)
@@ -203,10 +206,16 @@ def masked_mean(x, mask, group=None) -> torch.Tensor:
 
 
 def _sequence_extreme(x, mask, pick, group=None) -> torch.Tensor:
+    """min or max over rows of the row means, rows without tokens (NaN) left out; NaN when none is left.
+    Without boolean indexing, which would make the host wait for the GPU."""
     per_row = x.squeeze(1) if _is_per_sequence(x, mask) else (x * mask).sum(-1) / mask.sum(-1)
     per_row = distributed.gather_ragged(per_row.detach(), group)
-    per_row = per_row[~torch.isnan(per_row)]
-    return pick(per_row) if per_row.numel() else per_row.new_tensor(float("nan"))
+    empty = torch.isnan(per_row)
+    neutral = math.inf if pick is torch.min else -math.inf
+    if per_row.numel() == 0:
+        return per_row.new_full((), math.nan)
+    value = pick(torch.where(empty, neutral, per_row))
+    return torch.where(empty.all(), math.nan, value)
 
 
 def metrics(logp, entropy, batch, cfg, entropy_mask, policy_loss, bonus_on: bool, gas, group=None) -> dict:

@@ -27,7 +27,7 @@ def linear_quantile(values: torch.Tensor, p: float) -> torch.Tensor:
     # kthvalue is 1-based; two order statistics are cheaper than a full sort
     v_lo = torch.kthvalue(values, lo + 1).values
     v_hi = torch.kthvalue(values, hi + 1).values if hi != lo else v_lo
-    return torch.lerp(v_lo, v_hi, torch.tensor(pos - lo, dtype=values.dtype, device=values.device))
+    return torch.lerp(v_lo, v_hi, pos - lo)
 
 
 def entropy_threshold(active_entropy: torch.Tensor, q: float, group=None) -> torch.Tensor | None:
@@ -38,10 +38,12 @@ def entropy_threshold(active_entropy: torch.Tensor, q: float, group=None) -> tor
     return linear_quantile(values, 1.0 - q)
 
 
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, group=None) -> torch.Tensor:
-    """[B,T] bool: the active tokens whose entropy is at least the batch-global (1 - q) quantile."""
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, group=None, active=None) -> torch.Tensor:
+    """[B,T] bool: the active tokens whose entropy is at least the batch-global (1 - q) quantile. `active`, the
+    flat positions of the active tokens where the caller has them, saves a boolean index (a wait on the GPU)."""
     mask = mask.bool()
-    tau = entropy_threshold(entropy[mask], q, group)
+    values = entropy[mask] if active is None else entropy.reshape(-1).index_select(0, active)
+    tau = entropy_threshold(values, q, group)
     if tau is None:
         return torch.zeros_like(mask)
     return (entropy.detach() * mask >= tau) & mask
