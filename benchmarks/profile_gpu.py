@@ -54,6 +54,22 @@ def print_gaps(prof, runs: int, shown: int = 8, min_us: float = 20.0) -> None:
         if end is None or e.time_range.end > end:
             end, before = e.time_range.end, e.name
     busy = sum(e.time_range.elapsed_us() for e in kernels)
+    kinds = {"GEMM": 0.0, "Inductor": 0.0, "other": 0.0}
+    counts = dict.fromkeys(kinds, 0)
+    for e in kernels:
+        kind = (
+            "GEMM"
+            if ("gemm" in e.name or "nvjet" in e.name)
+            else "Inductor"
+            if e.name.startswith("triton")
+            else "other"
+        )
+        kinds[kind] += e.time_range.elapsed_us()
+        counts[kind] += 1
+    print(
+        "per run: "
+        + ", ".join(f"{k} {v / runs / 1e3:.2f} ms in {counts[k] / runs:.0f} kernels" for k, v in kinds.items())
+    )
     print(
         f"GPU busy {busy / runs / 1e3:.2f} ms per run; idle gaps over {min_us:.0f} us: "
         f"{sum(g for g, _, _ in gaps) / runs / 1e3:.2f} ms per run (between runs included)"

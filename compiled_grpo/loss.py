@@ -11,6 +11,7 @@ and returns TRL's metrics, the per-token logp and entropy, and the entropy mask.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -182,7 +183,9 @@ class FusedLinearGRPOLoss:
                 vocab_start,
             )
         dtype = streaming.stat_dtype(hidden)
-        batch = objectives.make_batch(
+        # Made when first needed: after the plan's wait on the GPU, the first GEMM is queued before these small
+        # kernels, so the GPU does not idle while the host launches them.
+        batch = functools.cache(lambda: objectives.make_batch(
             completion_mask,
             advantages,
             dtype,
@@ -190,7 +193,7 @@ class FusedLinearGRPOLoss:
             ref=ref_per_token_logps,
             is_ratio=importance_sampling_ratio,
             sampling=sampling_per_token_logps,
-        )
+        ))  # fmt: skip
         gas = gradient_accumulation_steps
         run = dict(
             gas=gas,
@@ -280,15 +283,16 @@ class FusedLinearGRPOLoss:
             group=self.process_group,
         )
 
-    def _memory(self, hidden, weight, bias, ids, batch, plan, run, vocab_tile, stats_rows, vocab_start):
+    def _memory(self, hidden, weight, bias, ids, make_batch, plan, run, vocab_tile, stats_rows, vocab_start):
         cfg = self.config
-        mask = batch.mask
-        head = fused.head_values(cfg, mask.dtype, hidden.device)
+        head = fused.head_values(cfg, streaming.stat_dtype(hidden), hidden.device)
         x, targets = self._slots(hidden, ids, plan, vocab_start)
         softcap = cfg.final_logit_softcapping is not None
         logp_s, entropy_s = fused.StreamedStatistics.apply(
             x, weight, bias, targets, head, self.kernels, softcap, plan.tiles, vocab_tile, stats_rows, self.vocab_group
         )
+        batch = make_batch()
+        mask = batch.mask
         logp = tiling.from_slots(logp_s, plan, mask.numel()).view(mask.shape)
         entropy = tiling.from_slots(entropy_s, plan, mask.numel()).view(mask.shape)
         entropy_mask = None
@@ -301,19 +305,19 @@ class FusedLinearGRPOLoss:
         loss, metrics = self._finish(logp, entropy, batch, em, norms, run)
         return GRPOLossOutput(loss, metrics, logp.detach(), entropy.detach(), entropy_mask)
 
-    def _speed(self, hidden, weight, bias, ids, batch, plan, run):
+    def _speed(self, hidden, weight, bias, ids, make_batch, plan, run):
         cfg = self.config
-        mask = batch.mask
-        B, T = mask.shape
-        head = fused.head_values(cfg, mask.dtype, hidden.device)
+        B, T = ids.shape
+        dtype = streaming.stat_dtype(hidden)
+        head = fused.head_values(cfg, dtype, hidden.device)
         # The normalizers are made at the first tile's gradient, so their small kernels are queued behind the
         # first GEMM instead of delaying it.
         made = {}
-        normalizers = lambda: made.get("norms") or made.setdefault("norms", self._normalizers(batch, None, run))
+        normalizers = lambda: made.get("norms") or made.setdefault("norms", self._normalizers(make_batch(), None, run))
         # Slot -> flat [B*T] position, padding slots sent to a scratch entry at B*T: no boolean indexing, so the
         # tile loop never waits on the host.
         dest = torch.where(plan.valid, plan.source, B * T)
-        logp_flat = torch.zeros(B * T + 1, dtype=mask.dtype, device=mask.device)
+        logp_flat = torch.zeros(B * T + 1, dtype=dtype, device=hidden.device)
         entropy_flat = torch.zeros_like(logp_flat)
 
         def gradient_of_tile(s, n, logp_slots, entropy_slots):
@@ -324,7 +328,7 @@ class FusedLinearGRPOLoss:
             lp = logp_flat[: B * T].detach().clone().requires_grad_()
             h = entropy_flat[: B * T].detach().clone().requires_grad_()
             loss, _ = objectives.loss_of_rows(
-                lp.view(B, T), h.view(B, T), batch, cfg, normalizers(), None, run["entropy_coef"]
+                lp.view(B, T), h.view(B, T), make_batch(), cfg, normalizers(), None, run["entropy_coef"]
             )
             g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True, materialize_grads=True)
             src, valid = plan.source[s : s + n], plan.valid[s : s + n]
@@ -344,7 +348,7 @@ class FusedLinearGRPOLoss:
             d_hidden.index_copy_(0, dest, dx_s)  # padding slots land in the scratch row
             d_hidden = d_hidden[: B * T].view(hidden.shape)
         logp, entropy = logp_flat[: B * T].view(B, T), entropy_flat[: B * T].view(B, T)
-        value, metrics = self._finish(logp, entropy, batch, None, normalizers(), run)
+        value, metrics = self._finish(logp, entropy, make_batch(), None, normalizers(), run)
         loss = fused.PrecomputedGradients.apply(
             value, hidden, weight, bias, d_hidden,
             dw.to(weight.dtype) if need_w else None,

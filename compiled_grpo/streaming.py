@@ -62,7 +62,7 @@ def logits_from_product(product, b, head, softcap: bool) -> torch.Tensor:
     return z * head[INV_TEMP]
 
 
-FOLD_CHUNK = 1024  # vocabulary entries per chunk of the fold: small enough to be re-read from cache
+FOLD_CHUNK = 8192  # vocabulary entries per chunk of the fold: re-read from cache (fastest of 256..8192 on an H200)
 
 
 def _fold_rows(z: torch.Tensor):
