@@ -145,37 +145,74 @@ def buffers_weight_gradient(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16) and 2 * x.shape[0] <= 4 * weight.shape[1]
 
 
-def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, gradient_of_tile, need_w, need_b):
+class GradientBuffer:
+    """Where the speed schedule's tiles write their logits gradients, and how they become dW.
+
+    single GEMM (`buffers_weight_gradient`): every slot has a row; dW = one GEMM over all of them at the end.
+    accumulated: rows for `group` consecutive slots (whole tiles); each full group adds one GEMM with K = group
+    into a float32 [V, H] sum, cast once at the end. Deeper, fewer accumulating GEMMs than one per tile: each
+    re-reads and re-writes the whole float32 sum.
+    """
+
+    def __init__(self, x, weight, tiles, group: int, need_w: bool):
+        self.x, self.weight, self.need_w = x, weight, need_w
+        self.single = need_w and buffers_weight_gradient(x, weight)
+        widest = max((n for _, n in tiles), default=0)
+        rows = x.shape[0] if self.single else max(group if need_w else 0, widest)
+        self.rows = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        self.sum = None if self.single or not need_w else accumulator(x, weight.shape)
+        self.start, self.used, self.added = 0, 0, False
+
+    def rows_for(self, s: int, n: int) -> torch.Tensor:
+        """The rows tile (s, n) writes its gradient to; a full group is added to the sum first."""
+        if self.single:
+            return self.rows[s : s + n]
+        if self.used + n > self.rows.shape[0]:
+            self._add_group()
+        if self.used == 0:
+            self.start = s
+        self.used += n
+        return self.rows[self.used - n : self.used]
+
+    def _add_group(self):
+        if self.sum is not None and self.used:
+            group = self.rows[: self.used]
+            streaming.add_matmul(self.sum, group.T, self.x[self.start : self.start + self.used], first=not self.added)
+            self.added = True
+        self.used = 0
+
+    def weight_gradient(self) -> torch.Tensor | None:
+        if not self.need_w:
+            return None
+        if self.single:
+            return torch.mm(self.rows.T, self.x)
+        self._add_group()
+        return self.sum.to(self.weight.dtype) if self.added else torch.zeros_like(self.weight)
+
+
+def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, gradient_of_tile, need_w, need_b, group):
     """Per tile: stats and the GEMM output, then the objective's gradient for that tile (`gradient_of_tile(s, n,
     logp, entropy)` -> (g_logp, g_entropy)), then dX, dW, db from the same product. Returns the slots' dX (x's
     dtype: each tile's dX is one GEMM over the whole vocabulary, rounded once), dW in weight's dtype and the
     float32 db; the stats reach the caller through `gradient_of_tile`."""
     dtype = streaming.stat_dtype(x)
-    vocab = weight.shape[0]
     logp = x.new_zeros(x.shape[0], dtype=dtype)
     entropy = torch.zeros_like(logp)
     dx = torch.empty_like(x)
-    buffered = need_w and buffers_weight_gradient(x, weight)
-    d_all = torch.empty(x.shape[0], vocab, dtype=x.dtype, device=x.device) if buffered else None
-    dw = torch.empty(weight.shape, dtype=dtype, device=x.device) if need_w and not buffered else None
+    gradients = GradientBuffer(x, weight, tiles, group, need_w)
     db = accumulator(x, weight.shape[:1]) if need_b else None
-    for i, (s, n) in enumerate(tiles):
-        xs = x[s : s + n]
-        lp, h, lse, product = kernels.statistics_and_logits(xs, weight, bias, targets[s : s + n], head_values, softcap)
+    for s, n in tiles:
+        lp, h, lse, product = kernels.statistics_and_logits(
+            x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap
+        )
         logp[s : s + n], entropy[s : s + n] = lp, h
         g_logp, g_entropy = gradient_of_tile(s, n, logp, entropy)
-        d_raw = d_all[s : s + n] if buffered else torch.empty(n, vocab, dtype=x.dtype, device=x.device)
+        d_raw = gradients.rows_for(s, n)
         db_t = kernels.gradient_from_product(
             product, bias, targets[s : s + n], lse, h, g_logp, g_entropy, head_values, softcap, d_raw, need_b
         )
         del product
         torch.mm(d_raw, weight, out=dx[s : s + n])
-        if dw is not None:
-            streaming.add_matmul(dw, d_raw.T, xs, first=i == 0)
         if need_b:
             db += db_t
-    if buffered:
-        dw = torch.mm(d_all.T, x)
-    elif dw is not None:
-        dw = dw.to(weight.dtype) if tiles else torch.zeros_like(weight)
-    return dx, dw, db
+    return dx, gradients.weight_gradient(), db

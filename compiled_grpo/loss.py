@@ -31,7 +31,8 @@ class GRPOLossOutput:
     entropy_mask: torch.Tensor | None = None  # [B,T] bool, None when top_entropy_quantile == 1
 
 
-TILE_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "speed_tile")
+TILE_KNOBS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "speed_tile", "speed_group")
+ACCUMULATING_SPEED_TILE = 1024  # GPU speed tile when dW is summed over groups (see default_tiles)
 
 
 def default_tiles(device: torch.device) -> dict[str, int]:
@@ -39,11 +40,16 @@ def default_tiles(device: torch.device) -> dict[str, int]:
     rows, the rest in tiles of `tail_tile` (`speed_tile` and `tail_tile` in the speed schedule).
     Memory schedule: the stats pass holds [stats_rows, V] float32 logits; the gradient pass [token_tile,
     vocab_tile] logits, and writes each vocab_tile slice of dW once per token tile (one big token tile: once).
-    Speed schedule: a [speed_tile, V] float32 GEMM output and its 16-bit gradient, plus either the gradients of
-    all tiles (16-bit, when they take no more than a float32 [V, H]) or a float32 [V, H] dW accumulator."""
+    Speed schedule: a [speed_tile, V] float32 GEMM output, plus either the 16-bit logits gradients of all tiles
+    for one dW GEMM (16-bit GEMMs, when they take no more than a float32 [V, H]), or a float32 [V, H] dW sum
+    and the gradients of `speed_group` tokens, added to it by one GEMM per group. In the second case the GPU
+    speed tile defaults to ACCUMULATING_SPEED_TILE: half the logits tile buys a 4096-token group in the same
+    memory (4 * 1024 + 2 * 4096 bytes per vocabulary entry, as 6 * 2048), halving the passes over the sum."""
     if device.type == "cuda":
-        return {"token_tile": 8192, "tail_tile": 512, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048}
-    return {"token_tile": 256, "tail_tile": 32, "vocab_tile": 4096, "stats_rows": 256, "speed_tile": 256}
+        return {"token_tile": 8192, "tail_tile": 512, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048,
+                "speed_group": 4096}  # fmt: skip
+    return {"token_tile": 256, "tail_tile": 32, "vocab_tile": 4096, "stats_rows": 256, "speed_tile": 256,
+            "speed_group": 1024}  # fmt: skip
 
 
 class FusedLinearGRPOLoss:
@@ -68,6 +74,7 @@ class FusedLinearGRPOLoss:
         vocab_tile: int | None = None,
         stats_rows: int | None = None,
         speed_tile: int | None = None,
+        speed_group: int | None = None,
         logits_budget_bytes: int = 4 << 30,
         process_group=None,
         vocab_parallel_group=None,
@@ -86,7 +93,9 @@ class FusedLinearGRPOLoss:
                 "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "
                 "token's entropy before any gradient can be formed; use schedule='memory' (or 'auto')"
             )
-        knobs = dict(zip(TILE_KNOBS, (token_tile, tail_tile, vocab_tile, stats_rows, speed_tile), strict=True))
+        knobs = dict(
+            zip(TILE_KNOBS, (token_tile, tail_tile, vocab_tile, stats_rows, speed_tile, speed_group), strict=True)
+        )
         for name, v in knobs.items():
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -203,9 +212,9 @@ class FusedLinearGRPOLoss:
             entropy_coef=cfg.entropy_coef if entropy_coef is None else entropy_coef,
         )
         tiles = self._tiles(hidden.device)
-        plan = self._speed_plan(completion_mask, tiles["speed_tile"], tiles["tail_tile"], weight)
+        plan = self._speed_plan(completion_mask, tiles, hidden, weight)
         if plan is not None:
-            return self._speed(hidden, weight, bias, completion_ids, batch, plan, run)
+            return self._speed(hidden, weight, bias, completion_ids, batch, plan, run, tiles["speed_group"])
         plan = tiling.plan_tokens(completion_mask, tiles["token_tile"], tiles["tail_tile"])
         return self._memory(hidden, weight, bias, completion_ids, batch, plan, run, tiles["vocab_tile"],
                             tiles["stats_rows"], vocab_start)  # fmt: skip
@@ -214,15 +223,22 @@ class FusedLinearGRPOLoss:
     def _tiles(self, device) -> dict[str, int]:
         return {**default_tiles(device), **self.tile_overrides}
 
-    def _speed_plan(self, mask, tile, tail, weight):
+    def _speed_plan(self, mask, tiles, hidden, weight):
         """The speed schedule's tile plan, or None where the memory schedule runs."""
         if self.schedule == "memory" or self.config.uses_entropy_mask or self.vocab_group is not distributed.LOCAL:
             return None
+        tile, tail, group = tiles["speed_tile"], tiles["tail_tile"], tiles["speed_group"]
+        # Whether dW will be summed over groups; decided on B*T (no wait on the GPU to count active tokens).
+        single_gemm = hidden.dtype in (torch.float16, torch.bfloat16) and mask.numel() <= 2 * weight.shape[1]
+        accumulates = weight.requires_grad and not single_gemm
+        if accumulates and hidden.is_cuda and "speed_tile" not in self.tile_overrides:
+            tile = ACCUMULATING_SPEED_TILE
         if self.schedule == "auto":
-            logits_bytes = 6 * tile * weight.shape[0]  # a tile's float32 GEMM output and its 16-bit gradient
-            # a float32 dW accumulator, or the buffered 16-bit logits gradients that replace it (no larger)
-            grads_bytes = 4 * weight.numel() if weight.requires_grad else 0
-            if logits_bytes + grads_bytes > self.logits_budget_bytes:
+            # a tile's float32 GEMM output, plus the kept gradients: every token's (single dW GEMM), a group's
+            # and the float32 dW sum, or one tile's (no dW)
+            vocab = weight.shape[0]
+            kept = 2 * mask.numel() * vocab if single_gemm else 2 * max(tile, group) * vocab + 4 * weight.numel()
+            if (4 * tile * vocab + (kept if weight.requires_grad else 2 * tile * vocab)) > self.logits_budget_bytes:
                 return None
         if not self.config.couples_sequence:
             return tiling.plan_tokens(mask, tile, tail)
@@ -230,7 +246,7 @@ class FusedLinearGRPOLoss:
         if plan is None and self.schedule == "speed":
             raise ValueError(
                 f"schedule='speed' with a sequence-level objective needs whole rows in a token tile; a row has more "
-                f"than token_tile={tile} active tokens: raise token_tile or use schedule='memory'"
+                f"than speed_tile={tile} active tokens: raise speed_tile or use schedule='memory'"
             )
         return plan
 
@@ -305,7 +321,7 @@ class FusedLinearGRPOLoss:
         loss, metrics = self._finish(logp, entropy, batch, em, norms, run)
         return GRPOLossOutput(loss, metrics, logp.detach(), entropy.detach(), entropy_mask)
 
-    def _speed(self, hidden, weight, bias, ids, make_batch, plan, run):
+    def _speed(self, hidden, weight, bias, ids, make_batch, plan, run, group):
         cfg = self.config
         B, T = ids.shape
         dtype = streaming.stat_dtype(hidden)
@@ -338,7 +354,7 @@ class FusedLinearGRPOLoss:
         need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
         dx_s, dw, db = fused.speed_pass(
             self.kernels, x, weight.detach(), None if bias is None else bias.detach(), targets, head,
-            cfg.final_logit_softcapping is not None, plan.tiles, gradient_of_tile, need_w, need_b,
+            cfg.final_logit_softcapping is not None, plan.tiles, gradient_of_tile, need_w, need_b, group,
         )  # fmt: skip
         d_hidden = None
         if hidden.requires_grad and plan.identity:

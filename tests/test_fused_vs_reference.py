@@ -94,3 +94,16 @@ def test_every_position_active(loss_type, schedule):
     loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **settings)
     out, out_grads = run_fused(loss_fn, x)
     assert_matches(out, out_grads, ref, ref_grads, rtol=1e-10)
+
+
+@pytest.mark.parametrize("group", [8, 24, 40, 1000])
+def test_speed_schedule_gradient_groups(group):
+    """dW summed over groups of tiles (tiles of 16 and tails of 8 slots): groups smaller than a tile, holding
+    several tiles with a tail, and one group for everything all give the reference's gradient."""
+    x = make_inputs(seed=5, dtype=torch.float64, bias=True)
+    settings = settings_for("grpo", {"entropy_coef": 0.02})
+    ref, ref_grads = run_reference(x, settings)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="speed", speed_tile=16, tail_tile=8, speed_group=group,
+                                  **settings)  # fmt: skip
+    out, out_grads = run_fused(loss_fn, x)
+    assert_matches(out, out_grads, ref, ref_grads, rtol=1e-10)
