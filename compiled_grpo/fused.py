@@ -156,11 +156,13 @@ class GradientBuffer:
 
     def __init__(self, x, weight, tiles, group: int, need_w: bool):
         self.x, self.weight, self.need_w = x, weight, need_w
+        stat_dtype = streaming.stat_dtype(x)
         self.single = need_w and buffers_weight_gradient(x, weight)
         widest = max((n for _, n in tiles), default=0)
         rows = x.shape[0] if self.single else max(group if need_w else 0, widest)
         self.rows = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        self.sum = None if self.single or not need_w else accumulator(x, weight.shape)
+        # not zeroed: the first group's GEMM writes it with beta = 0 (a fill is a pass over [V, H])
+        self.sum = None if self.single or not need_w else torch.empty(weight.shape, dtype=stat_dtype, device=x.device)
         self.start, self.used, self.added = 0, 0, False
 
     def rows_for(self, s: int, n: int) -> torch.Tensor:

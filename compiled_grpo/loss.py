@@ -48,8 +48,9 @@ def default_tiles(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {"token_tile": 8192, "tail_tile": 512, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048,
                 "speed_group": 4096}  # fmt: skip
+    # CPU: one dW GEMM per tile measured faster than groups of 1024 or 4096 tokens (their gradients leave the cache)
     return {"token_tile": 256, "tail_tile": 32, "vocab_tile": 4096, "stats_rows": 256, "speed_tile": 256,
-            "speed_group": 1024}  # fmt: skip
+            "speed_group": 256}  # fmt: skip
 
 
 class FusedLinearGRPOLoss:
