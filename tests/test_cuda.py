@@ -13,6 +13,8 @@ from compiled_grpo import FusedLinearGRPOLoss
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SHAPES = [(4, 300, 256, 32003), (2, 1024, 512, 50000)]
+# B*T <= 2H: the speed schedule's dW is one GEMM over every token's buffered 16-bit gradient
+BF16_SHAPES = [*SHAPES, (2, 256, 512, 32003)]
 
 
 def on_cuda(x):
@@ -45,7 +47,7 @@ def test_fp32_matches_reference_on_gpu(shape, settings, schedule):
     assert_matches(out, out_grads, ref, ref_grads, rtol=1e-4)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=str)
 @pytest.mark.parametrize("schedule", ["speed", "memory"])
 def test_bf16_three_way_on_gpu(shape, schedule):
     B, T, H, V = shape
@@ -58,3 +60,14 @@ def test_bf16_three_way_on_gpu(shape, schedule):
     for name in ("hidden", "weight"):
         scale = float(ref_grads[name].abs().max())
         assert err(out_grads[name], ref_grads[name]) <= err(naive_grads[name], ref_grads[name]) + 1e-3 * scale
+
+
+def test_speed_schedule_gradient_groups_on_gpu():
+    """dW summed over several groups of tiles (with a tail tile) on the GPU, float32 against the reference."""
+    x = on_cuda(make_inputs(seed=3, B=2, T=1024, H=512, V=50000, dtype=torch.float32))
+    settings = {"loss_type": "grpo", "entropy_coef": 0.01}
+    ref, ref_grads = run_reference(x, settings)
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="speed", speed_tile=256, tail_tile=64, speed_group=512,
+                                  **settings)  # fmt: skip
+    out, out_grads = run_fused(loss_fn, x)
+    assert_matches(out, out_grads, ref, ref_grads, rtol=1e-4)
