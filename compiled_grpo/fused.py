@@ -189,6 +189,7 @@ class GradientBuffer:
         if self.single:
             return torch.mm(self.rows.T, self.x)
         self._add_group()
+        self.rows = None  # freed before the cast, which briefly holds the sum and its 16-bit copy
         return self.sum.to(self.weight.dtype) if self.added else torch.zeros_like(self.weight)
 
 
