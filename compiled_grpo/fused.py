@@ -216,6 +216,7 @@ def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, g
         )
         del product
         torch.mm(d_raw, weight, out=dx[s : s + n])
+        del d_raw  # a view of the gradient rows, which weight_gradient() may free
         if need_b:
             db += db_t
     return dx, gradients.weight_gradient(), db
