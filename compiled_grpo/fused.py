@@ -18,12 +18,30 @@ import torch
 from . import distributed, streaming
 from .distributed import LOCAL
 
+# Graphs each tile function may keep: one per tile shape (bulk, tail, stats rows, vocabulary slices), dtype and
+# head (bias, softcap) in use in a process. Dynamo's default of 8 is reached by ordinary use (training and
+# evaluation shapes, two dtypes), and under fullgraph=True reaching it is an error, not a fallback.
+RECOMPILE_LIMIT = 64
+
+
+def compile_tile(f):
+    """`f` under torch.compile(fullgraph=True, dynamic=False), allowed RECOMPILE_LIMIT graphs (set per call, so
+    the process-wide setting is left alone)."""
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+
+    @functools.wraps(f)
+    def call(*args):
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            return compiled(*args)
+
+    return call
+
 
 class Kernels:
     """The tile functions, under `torch.compile(fullgraph=True, dynamic=False)` or eager: the same code."""
 
     def __init__(self, compiled: bool):
-        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compiled else (lambda f: f)
+        wrap = compile_tile if compiled else (lambda f: f)
         self.compiled = compiled
         self.statistics = wrap(streaming.statistics_tile)
         self.partial_statistics = wrap(streaming.partial_statistics_tile)
