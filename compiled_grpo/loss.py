@@ -46,7 +46,7 @@ def default_tiles(device: torch.device) -> dict[str, int]:
     speed tile defaults to ACCUMULATING_SPEED_TILE: half the logits tile buys a 4096-token group in the same
     memory (4 * 1024 + 2 * 4096 bytes per vocabulary entry, as 6 * 2048), halving the passes over the sum."""
     if device.type == "cuda":
-        return {"token_tile": 8192, "tail_tile": 512, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048,
+        return {"token_tile": 8192, "tail_tile": 128, "vocab_tile": 8192, "stats_rows": 1024, "speed_tile": 2048,
                 "speed_group": 4096}  # fmt: skip
     # CPU: one dW GEMM per tile measured faster than groups of 1024 or 4096 tokens (their gradients leave the cache)
     return {"token_tile": 256, "tail_tile": 32, "vocab_tile": 4096, "stats_rows": 256, "speed_tile": 256,

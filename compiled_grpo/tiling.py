@@ -27,12 +27,21 @@ class TilePlan:
 
 
 def bulk_and_tail(n: int, tile: int, tail: int) -> list[tuple[int, int]]:
-    """Full tiles of `tile` slots, then tiles of `tail` slots for the rest (waste < tail)."""
+    """Full tiles of `tile` slots, then the rest rounded up to a multiple of `tail` (waste < tail) in tiles of
+    tail * 2**k slots, largest first: at most log2(tile / tail) tail tiles, each a GEMM of useful size, and a
+    bounded set of shapes to compile (tile and tail * 2**k below it), whatever the batch."""
     tiles = [(i * tile, tile) for i in range(n // tile)]
     start = len(tiles) * tile
-    while start < n:
-        tiles.append((start, tail))
-        start += tail
+    units = -(-(n - start) // tail)  # the rest, in tails
+    size = 1 << max(units.bit_length() - 1, 0)  # in tails: the largest power of two in the rest, within a tile
+    while size > 1 and size * tail > tile:
+        size //= 2
+    while units:
+        if units >= size:
+            tiles.append((start, size * tail))
+            start, units = start + size * tail, units - size
+        else:
+            size //= 2
     return tiles
 
 

@@ -39,7 +39,7 @@ def test_audit_fails_on_an_off_by_one_normalizer(tmp_path, capsys, monkeypatch):
 def test_audit_fails_on_a_per_chunk_entropy_threshold(tmp_path, capsys, monkeypatch):
     whole_batch = quantile.high_entropy_mask
 
-    def per_row(entropy, mask, q, group=None):
+    def per_row(entropy, mask, q, group=None, active=None):
         rows = [whole_batch(entropy[i : i + 1], mask[i : i + 1], q, group) for i in range(entropy.shape[0])]
         return torch.cat(rows)
 
