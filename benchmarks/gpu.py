@@ -7,6 +7,7 @@ compiled. Median of CUDA-event times after warm-up; peak memory above what was a
 (inputs, weights). A baseline that is not installed, or a method that cannot run a shape, is reported as such.
 
     python -m benchmarks.gpu [--shapes S1,S2,S3,S1-q0.2,S1-ref] [--repeats 10] [--out docs/benchmarks]
+        [--methods "TRL;speed, compiled"] [--variants "memory:vocab_tile=16384;speed:speed_tile=1024"]
 """
 
 from __future__ import annotations
