@@ -2,11 +2,13 @@
 
 memory: forward = stats pass (logp, entropy, lse per token); the objective runs on [B,T] with plain autograd;
         backward = gradient pass, vocab-outer: each vocabulary slice against every token tile, so each slice
-        of dW is written once from a float32 sum over token tiles (no [V,H] float32 accumulator). 8NHV FLOPs.
+        of dW is written once from a float32 sum over token tiles, or straight from its GEMM when there is one
+        token tile (no [V,H] float32 accumulator). 8NHV FLOPs.
 speed:  forward = per token tile, stats and gradient on the same logits (6NHV, no recompute); the objective's
         gradient for a tile is taken right after its stats, which is exact because, with the normalizers fixed
         up front, a token's gradient depends only on its own row (tiles hold whole rows when the objective
-        couples a row's tokens). Backward only scales the stored gradients.
+        couples a row's tokens). dW comes from the tiles' logits gradients (`GradientBuffer`). Backward only
+        scales the stored gradients.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Kernels:
         self.compiled = compiled
         self.statistics = wrap(streaming.statistics_tile)
         self.partial_statistics = wrap(streaming.partial_statistics_tile)
-        self.statistics_and_logits = wrap(streaming.statistics_and_logits_tile)
+        self.statistics_and_product = wrap(streaming.statistics_and_product_tile)
         self.gradient_from_product = wrap(streaming.gradient_from_product_tile)
         self.gradient_vocab = wrap(streaming.gradient_vocab_tile)
 
@@ -223,7 +225,7 @@ def speed_pass(kernels, x, weight, bias, targets, head_values, softcap, tiles, g
     gradients = GradientBuffer(x, weight, tiles, group, need_w)
     db = accumulator(x, weight.shape[:1]) if need_b else None
     for s, n in tiles:
-        lp, h, lse, product = kernels.statistics_and_logits(
+        lp, h, lse, product = kernels.statistics_and_product(
             x[s : s + n], weight, bias, targets[s : s + n], head_values, softcap
         )
         logp[s : s + n], entropy[s : s + n] = lp, h

@@ -129,7 +129,7 @@ def statistics_tile(x, w, b, targets, head, softcap: bool):
     return fold_statistics(tile_logits(x, w, b, head, softcap), targets)
 
 
-def statistics_and_logits_tile(x, w, b, targets, head, softcap: bool):
+def statistics_and_product_tile(x, w, b, targets, head, softcap: bool):
     """Stats of one token tile that also hand back the GEMM output x @ w.T (not the logits: returning those
     would write a second [n,V] float32 tensor), for a gradient on the same tile."""
     product = matmul_fp32(x, w.T)
