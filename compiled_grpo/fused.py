@@ -27,14 +27,20 @@ RECOMPILE_LIMIT = 64
 
 
 def compile_tile(f):
-    """`f` under torch.compile(fullgraph=True, dynamic=False), allowed RECOMPILE_LIMIT graphs (set per call, so
-    the process-wide setting is left alone)."""
+    """`f` under torch.compile(fullgraph=True, dynamic=False), allowed RECOMPILE_LIMIT graphs (raised for the
+    call and restored after it, so the process-wide setting is left alone; a plain attribute swap costs 5 us
+    where `config.patch` costs 180 us, and a tile loop makes dozens of calls)."""
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    config = torch._dynamo.config
 
     @functools.wraps(f)
     def call(*args):
-        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+        limit = config.recompile_limit
+        config.recompile_limit = max(RECOMPILE_LIMIT, limit)
+        try:
             return compiled(*args)
+        finally:
+            config.recompile_limit = limit
 
     return call
 
