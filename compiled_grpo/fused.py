@@ -164,11 +164,11 @@ class PrecomputedGradients(torch.autograd.Function):
         return (None, *grads, None, None, None)
 
 
-def buffers_weight_gradient(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """With 16-bit GEMMs, keeping every tile's logits gradient ([slots, V], 16-bit) for one dW GEMM at the end
-    beats a float32 [V, H] accumulator when it is no larger (slots <= 2H): dW then comes out of a single GEMM
+def buffers_weight_gradient(dtype: torch.dtype, tokens: int, hidden_size: int) -> bool:
+    """With 16-bit GEMMs, keeping every token's logits gradient ([tokens, V], 16-bit) for one dW GEMM at the end
+    beats a float32 [V, H] accumulator when it is no larger (tokens <= 2H): dW then comes out of a single GEMM
     that sums all tokens in float32 and rounds once, with no accumulator traffic and no final cast."""
-    return x.dtype in (torch.float16, torch.bfloat16) and 2 * x.shape[0] <= 4 * weight.shape[1]
+    return dtype in (torch.float16, torch.bfloat16) and 2 * tokens <= 4 * hidden_size
 
 
 class GradientBuffer:
@@ -183,7 +183,7 @@ class GradientBuffer:
     def __init__(self, x, weight, tiles, group: int, need_w: bool):
         self.x, self.weight, self.need_w = x, weight, need_w
         stat_dtype = streaming.stat_dtype(x)
-        self.single = need_w and buffers_weight_gradient(x, weight)
+        self.single = need_w and buffers_weight_gradient(x.dtype, x.shape[0], weight.shape[1])
         widest = max((n for _, n in tiles), default=0)
         rows = x.shape[0] if self.single else max(group if need_w else 0, widest)
         self.rows = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)

@@ -230,16 +230,19 @@ class FusedLinearGRPOLoss:
             return None
         tile, tail, group = tiles["speed_tile"], tiles["tail_tile"], tiles["speed_group"]
         # Whether dW will be summed over groups; decided on B*T (no wait on the GPU to count active tokens).
-        single_gemm = hidden.dtype in (torch.float16, torch.bfloat16) and mask.numel() <= 2 * weight.shape[1]
+        single_gemm = fused.buffers_weight_gradient(hidden.dtype, mask.numel(), weight.shape[1])
         accumulates = weight.requires_grad and not single_gemm
         if accumulates and hidden.is_cuda and "speed_tile" not in self.tile_overrides:
             tile = ACCUMULATING_SPEED_TILE
         if self.schedule == "auto":
-            # a tile's float32 GEMM output, plus the kept gradients: every token's (single dW GEMM), a group's
-            # and the float32 dW sum, or one tile's (no dW)
             vocab = weight.shape[0]
-            kept = 2 * mask.numel() * vocab if single_gemm else 2 * max(tile, group) * vocab + 4 * weight.numel()
-            if (4 * tile * vocab + (kept if weight.requires_grad else 2 * tile * vocab)) > self.logits_budget_bytes:
+            if not weight.requires_grad:
+                kept = 2 * tile * vocab  # one tile's 16-bit logits gradient
+            elif single_gemm:
+                kept = 2 * mask.numel() * vocab  # every token's
+            else:
+                kept = 2 * max(tile, group) * vocab + 4 * weight.numel()  # a group's, and the float32 dW sum
+            if 4 * tile * vocab + kept > self.logits_budget_bytes:  # plus a tile's float32 GEMM output
                 return None
         if not self.config.couples_sequence:
             return tiling.plan_tokens(mask, tile, tail)

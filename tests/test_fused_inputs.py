@@ -197,3 +197,26 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype():
     assert w32.grad.dtype == torch.float32
     torch.testing.assert_close(a.loss, b.loss)
     torch.testing.assert_close(w32.grad, w16.grad.float())
+
+
+@pytest.mark.parametrize(
+    "settings, budget, expected",
+    [
+        ({}, 4 << 30, "speed"),  # the speed schedule's workspace fits the default budget
+        ({}, 1 << 10, "memory"),  # ... and not a 1 KiB one
+        ({"top_entropy_quantile": 0.5}, 4 << 30, "memory"),  # the threshold needs every entropy first
+    ],
+)
+def test_auto_schedule_choice(settings, budget, expected, monkeypatch):
+    ran = []
+    for name in ("speed", "memory"):
+        method = getattr(FusedLinearGRPOLoss, f"_{name}")
+        monkeypatch.setattr(
+            FusedLinearGRPOLoss, f"_{name}", lambda *a, m=method, n=name, **k: ran.append(n) or m(*a, **k)
+        )
+    x = make_inputs(seed=8, dtype=torch.float64)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=budget, **TILES, **settings)
+    out, grads = run_fused(loss_fn, x)
+    ref, ref_grads = run_reference(x, settings)
+    assert ran == [expected]
+    assert_matches(out, grads, ref, ref_grads, rtol=1e-10)
