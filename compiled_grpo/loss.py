@@ -332,8 +332,7 @@ class FusedLinearGRPOLoss:
         head = fused.head_values(cfg, dtype, hidden.device)
         # The normalizers are made at the first tile's gradient, so their small kernels are queued behind the
         # first GEMM instead of delaying it.
-        made = {}
-        normalizers = lambda: made.get("norms") or made.setdefault("norms", self._normalizers(make_batch(), None, run))
+        normalizers = functools.cache(lambda: self._normalizers(make_batch(), None, run))
         # Slot -> flat [B*T] position, padding slots sent to a scratch entry at B*T: no boolean indexing, so the
         # tile loop never waits on the host.
         dest = torch.where(plan.valid, plan.source, B * T)
