@@ -1,6 +1,6 @@
 """The GRPO loss family on [B,T] tensors: no vocabulary dimension, plain differentiable torch.
 
-The math of every loss type lives here (SEMANTICS.md restates TRL 1.16.0's `_compute_loss`):
+The math of every loss type lives here (docs/semantics.md states what TRL 1.16.0's `_compute_loss` computes):
 - ratio r = logp - old; token level log_w = r [B,T]; sequence level log_w = sum_t m r / max(L_i, 1) [B,1].
 - grpo, bnpo, dr_grpo, dapo, luspo: l = -min(c1 A, clamp(c1, 1 - eps_low, 1 + eps_high) A), c1 = exp(log_w)
   capped at delta (when set) after the clamp is taken.
@@ -13,10 +13,12 @@ The math of every loss type lives here (SEMANTICS.md restates TRL 1.16.0's `_com
 
 `loss_of_rows` computes the contribution of any subset of whole rows with the batch-global normalizers, so the
 speed schedule can take gradients tile by tile and the sum over tiles equals the loss of the whole batch.
+`Objective` binds a call's inputs, settings and step context; the schedules ask it for the loss.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,9 +40,29 @@ class Batch:
     is_ratio_vespo: torch.Tensor | None = None  # as given: vespo sums its log over all T positions (as TRL)
     sampling: torch.Tensor | None = None  # NaN allowed at active positions (unscored by vLLM)
 
-    def rows(self, start: int, stop: int) -> Batch:
-        cut = lambda t: None if t is None else t[start:stop]
-        return Batch(*(cut(getattr(self, f)) for f in self.__dataclass_fields__))
+
+@dataclass(frozen=True)
+class Step:
+    """Where a micro-batch sits in training: the normalizers' context and the (per-call) entropy coefficient."""
+
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int | None = None  # None: gradient_accumulation_steps
+    num_items_in_batch: int | float | torch.Tensor | None = None  # None: spg x this micro-batch's active tokens
+    num_processes: int = 1
+    entropy_coef: float | torch.Tensor = 0.0
+
+    @property
+    def gas(self) -> int:
+        return self.gradient_accumulation_steps
+
+    @property
+    def spg(self) -> int:
+        return self.gas if self.steps_per_generation is None else self.steps_per_generation
+
+    @property
+    def bonus_on(self) -> bool:
+        """Whether the entropy bonus may be non-zero (a tensor coefficient is not read back to find out)."""
+        return not (isinstance(self.entropy_coef, float) and self.entropy_coef == 0.0)
 
 
 @dataclass(frozen=True)
@@ -54,32 +76,36 @@ class Normalizers:
     bonus_tokens: torch.Tensor  # max(sum m * mask_H, 1)
 
 
-def make_batch(mask, advantages, dtype, *, old=None, ref=None, is_ratio=None, sampling=None) -> Batch:
-    active = mask.bool()
+def make_batch(inputs, dtype) -> Batch:
+    """The objective's tensors from a call's inputs (`inputs.LossInputs`)."""
+    active = inputs.completion_mask.bool()
     keep = lambda t, fill: None if t is None else torch.where(active, t.to(dtype), fill)
-    adv = advantages.to(dtype)
+    adv = inputs.advantages.to(dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(active, adv, 0.0)
-    ratio = None if is_ratio is None else is_ratio.to(dtype)
+    ratio = inputs.importance_sampling_ratio
+    ratio = None if ratio is None else ratio.to(dtype)
     ratio = ratio.unsqueeze(1) if ratio is not None and ratio.dim() == 1 else ratio
     ratio_masked = ratio if ratio is None or ratio.shape[1] == 1 else torch.where(active, ratio, 1.0)
+    sampling = inputs.sampling_per_token_logps
     return Batch(
         mask=active.to(dtype),
         advantages=adv,
-        old=keep(old, 0.0),
-        ref=keep(ref, 0.0),
+        old=keep(inputs.old_per_token_logps, 0.0),
+        ref=keep(inputs.ref_per_token_logps, 0.0),
         is_ratio=ratio_masked,
         is_ratio_vespo=ratio,
         sampling=None if sampling is None else sampling.to(dtype),
     )
 
 
-def make_normalizers(batch: Batch, cfg, entropy_mask, *, num_items, num_processes, gas, spg, group=None):
-    m = batch.mask
+def make_normalizers(batch: Batch, entropy_mask, step: Step, group=None) -> Normalizers:
+    m, gas, spg = batch.mask, step.gas, step.spg
+    num_items = step.num_items_in_batch
     if num_items is None:  # every micro-batch of the generation batch, every rank
         num_items = spg * distributed.all_sum(m.sum(), group)
     if not isinstance(num_items, torch.Tensor):
         num_items = m.new_full((), float(num_items))  # filled on the device: no copy that waits for the GPU
-    items = num_items.to(device=m.device, dtype=m.dtype).clamp(min=1.0) / num_processes * gas / spg
+    items = num_items.to(device=m.device, dtype=m.dtype).clamp(min=1.0) / step.num_processes * gas / spg
     e = m if entropy_mask is None else m * entropy_mask
     return Normalizers(
         rows=m.shape[0],
@@ -181,13 +207,6 @@ def bonus_of_rows(entropy, mask, entropy_mask, n: Normalizers) -> torch.Tensor:
     return (entropy * e).sum() / n.bonus_tokens / n.gas
 
 
-def loss_of_rows(logp, entropy, batch, cfg, norms, entropy_mask, entropy_coef) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, policy loss) of a set of whole rows; summing over a partition of the rows gives the batch's."""
-    loss, _ = per_token_loss(logp, batch, cfg, entropy_mask)
-    policy = reduce_rows(loss, batch.mask, cfg, norms)
-    if isinstance(entropy_coef, float) and entropy_coef == 0.0:
-        return policy, policy
-    return policy - entropy_coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
 
 
 # ---------------------------------------------------------------- metrics
@@ -218,8 +237,9 @@ def _sequence_extreme(x, mask, pick, group=None) -> torch.Tensor:
     return torch.where(empty.all(), math.nan, value)
 
 
-def metrics(logp, entropy, batch, cfg, entropy_mask, policy_loss, bonus_on: bool, gas, group=None) -> dict:
+def metrics(objective: Objective, logp, entropy, entropy_mask, policy_loss) -> dict:
     """TRL's logged metrics, each a 0-d tensor."""
+    batch, cfg, group = objective.batch, objective.cfg, objective.group
     with torch.no_grad():
         _, seen = per_token_loss(logp.detach(), batch, cfg, entropy_mask)
         m, adv = batch.mask, batch.advantages
@@ -241,9 +261,57 @@ def metrics(logp, entropy, batch, cfg, entropy_mask, policy_loss, bonus_on: bool
             out["cispo_clip_ratio"] = masked_mean(clipped, m, group)
         elif cfg.loss_type == "vespo":
             out["vespo/phi_seq_mean"] = masked_mean(seen["phi"], m, group)
-        if bonus_on:
+        if objective.step.bonus_on:
             # TRL logs it before the gas division, except for the token-count normalized losses
-            scale = 1.0 if cfg.loss_type in TOKEN_COUNT_NORMALIZED else gas
+            scale = 1.0 if cfg.loss_type in TOKEN_COUNT_NORMALIZED else objective.step.gas
             ranks = distributed.world_size(group)
             out["policy_loss"] = distributed.all_sum(policy_loss.detach() * scale, group) / ranks
         return out
+
+
+# ---------------------------------------------------------------- the objective of one call
+class Objective:
+    """One call's objective: its settings, its [B,T] inputs, its step context and the data-parallel group.
+    The batch tensors are made when first needed: on the GPU the schedules queue their first GEMM before
+    these small kernels, so the GPU does not idle while the host launches them."""
+
+    def __init__(self, cfg: GRPOLossConfig, inputs, step: Step, group=None):
+        self.cfg, self.inputs, self.step, self.group = cfg, inputs, step, group
+        self.dtype = torch.float64 if inputs.hidden.dtype == torch.float64 else torch.float32
+
+    @functools.cached_property
+    def batch(self) -> Batch:
+        return make_batch(self.inputs, self.dtype)
+
+    def normalizers(self, entropy_mask=None) -> Normalizers:
+        return make_normalizers(self.batch, entropy_mask, self.step, self.group)
+
+    def loss_of_rows(self, logp, entropy, norms: Normalizers, entropy_mask=None):
+        """(loss, policy loss) of a set of whole rows (the other rows' values may be anything: their tokens do
+        not reach the gradient of these); summing over a partition of the rows gives the batch's loss."""
+        cfg, batch = self.cfg, self.batch
+        loss, _ = per_token_loss(logp, batch, cfg, entropy_mask)
+        policy = reduce_rows(loss, batch.mask, cfg, norms)
+        if not self.step.bonus_on:
+            return policy, policy
+        return policy - self.step.entropy_coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
+
+    def loss_and_metrics(self, logp, entropy, entropy_mask=None, norms: Normalizers | None = None):
+        """The batch's loss (differentiable in logp and entropy) and TRL's metrics."""
+        norms = self.normalizers(entropy_mask) if norms is None else norms
+        loss, policy = self.loss_of_rows(logp, entropy, norms, entropy_mask)
+        return loss, metrics(self, logp, entropy, entropy_mask, policy)
+
+    def zero_gradient_tokens(self) -> torch.Tensor | None:
+        """[B,T] bool, True at active tokens whose gradient is known to be exactly 0 before any statistic is
+        seen; None when there can be none. Every policy loss is a multiple of the advantage, so a token with
+        advantage 0 has a zero gradient unless the KL term (beta != 0) or the entropy bonus reaches it. Where the
+        objective couples a sequence's tokens, a token gets gradient through the others: whole rows only."""
+        if self.cfg.beta != 0.0 or self.step.bonus_on:
+            return None
+        mask = self.inputs.completion_mask.bool()
+        adv = self.inputs.advantages
+        zero = (adv == 0).unsqueeze(1).expand(mask.shape) if adv.dim() == 1 else adv == 0
+        if self.cfg.couples_sequence:
+            zero = (zero | ~mask).all(-1, keepdim=True).expand(mask.shape)
+        return zero & mask

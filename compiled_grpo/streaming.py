@@ -1,9 +1,10 @@
 """lm_head tiles: fold a tile of logits into (logp, entropy, logsumexp), and turn it into its gradient.
 
 Pure torch, no data-dependent control flow and no host syncs: these are the functions `torch.compile`
-turns into kernels (`compiled=True`) or that run as they are (`compiled=False`). Every scalar that may change
-between calls arrives as a tensor (`head`: logit_scale, 1 / temperature, softcap), so new values never
-recompile; only the presence of a bias, of a softcap and of a weight gradient shape the graph.
+turns into kernels (`compiled=True`) or that run as they are (`compiled=False`). Tensors that travel together
+come as NamedTuples (`head.Head`, `RowGradients`), which torch.compile traces field by field; every scalar that
+may change between calls arrives as a tensor (`Head.values`: logit_scale, 1 / temperature, softcap), so new
+values never recompile; only the presence of a bias, of a softcap and of a bias gradient shape the graph.
 
 Logits of a tile: z = softcap(scale * (x @ W.T + b)) * inv_temp, in float32 from input-dtype GEMMs.
 Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
@@ -11,15 +12,28 @@ Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
   logp = z[y] - lse.
 Gradient: p = exp(z - lse),  dz = g_logp (onehot(y) - p) - g_H p (z - lse + H),
 then through the softcap and scale: d raw = dz * scale * inv_temp * (1 - (z / (cap * inv_temp))**2).
-The tiles hand back d raw in the GEMM dtype; the driver (fused.py) turns it into dX, dW, accumulating sums
+The tiles hand back d raw in the GEMM dtype; the schedules (schedules/) turn it into dX, dW, accumulating sums
 over tiles in float32.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-SCALE, INV_TEMP, CAP = 0, 1, 2  # positions in the `head` tensor
+from .head import CAP, INV_TEMP, SCALE, Head
+
+
+class RowGradients(NamedTuple):
+    """Per token of a tile, what the gradient of its logits needs: the target, the statistics of the
+    statistics pass and the objective's gradients with respect to logp and entropy."""
+
+    targets: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    g_logp: torch.Tensor
+    g_entropy: torch.Tensor
 
 
 def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
@@ -48,18 +62,18 @@ def stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def tile_logits(x, w, b, head, softcap: bool) -> torch.Tensor:
+def tile_logits(x, head: Head) -> torch.Tensor:
     """z = softcap(scale * (x @ w.T + b)) * inv_temp for x [n,H], w [v,H]: [n,v] in float32 (float64 input: 64)."""
-    return logits_from_product(matmul_fp32(x, w.T), b, head, softcap)
+    return logits_from_product(matmul_fp32(x, head.weight.T), head)
 
 
-def logits_from_product(product, b, head, softcap: bool) -> torch.Tensor:
+def logits_from_product(product, head: Head) -> torch.Tensor:
     """The logits from the float32 GEMM output x @ w.T (a pointwise epilogue Inductor fuses into its readers)."""
-    z = product if b is None else product + b.to(product.dtype)
-    z = z * head[SCALE]
-    if softcap:
-        z = head[CAP] * torch.tanh(z / head[CAP])
-    return z * head[INV_TEMP]
+    z = product if head.bias is None else product + head.bias.to(product.dtype)
+    z = z * head.values[SCALE]
+    if head.softcap:
+        z = head.values[CAP] * torch.tanh(z / head.values[CAP])
+    return z * head.values[INV_TEMP]
 
 
 FOLD_CHUNK = 8192  # vocabulary entries per chunk of the fold: re-read from cache (fastest of 256..8192 on an H200)
@@ -102,62 +116,55 @@ def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
     return logp, entropy, lse
 
 
-def partial_statistics_tile(x, w, b, local_targets, head, softcap: bool):
+def partial_statistics_tile(x, local_targets, head: Head):
     """Vocabulary-parallel stats pass: (m, s, u, target logit) of one token tile against this rank's slice of
     the vocabulary, the target logit 0 where the target lies in another rank's slice (distributed.py combines)."""
-    z = tile_logits(x, w, b, head, softcap)
+    z = tile_logits(x, head)
     m, s, u = _fold(z)
     owned = (local_targets >= 0) & (local_targets < z.shape[-1])
     target = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     return m, s, u, torch.where(owned, target, 0.0)
 
 
-def logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap: bool) -> torch.Tensor:
+def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:
     """d loss / d (x @ W.T + b) for a logits tile, given the loss's gradients w.r.t. logp and entropy."""
-    log_p = z - lse.unsqueeze(-1)
+    log_p = z - rows.lse.unsqueeze(-1)
     p = torch.exp(log_p)
-    dz = g_logp.unsqueeze(-1) * (onehot.to(p.dtype) - p) - g_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
-    scale = head[SCALE] * head[INV_TEMP]
-    if softcap:
-        t = z / (head[CAP] * head[INV_TEMP])
+    g_logp, g_entropy = rows.g_logp.unsqueeze(-1), rows.g_entropy.unsqueeze(-1)
+    dz = g_logp * (onehot.to(p.dtype) - p) - g_entropy * p * (log_p + rows.entropy.unsqueeze(-1))
+    scale = head.values[SCALE] * head.values[INV_TEMP]
+    if head.softcap:
+        t = z / (head.values[CAP] * head.values[INV_TEMP])
         return dz * scale * (1 - t * t)
     return dz * scale
 
 
-def statistics_tile(x, w, b, targets, head, softcap: bool):
+def statistics_tile(x, targets, head: Head):
     """Stats pass of one token tile against the whole vocabulary: (logp, entropy, lse)."""
-    return fold_statistics(tile_logits(x, w, b, head, softcap), targets)
+    return fold_statistics(tile_logits(x, head), targets)
 
 
-def statistics_and_product_tile(x, w, b, targets, head, softcap: bool):
+def statistics_and_product_tile(x, targets, head: Head):
     """Stats of one token tile that also hand back the GEMM output x @ w.T (not the logits: returning those
     would write a second [n,V] float32 tensor), for a gradient on the same tile."""
-    product = matmul_fp32(x, w.T)
-    return fold_statistics(logits_from_product(product, b, head, softcap), targets) + (product,)
+    product = matmul_fp32(x, head.weight.T)
+    return fold_statistics(logits_from_product(product, head), targets) + (product,)
 
 
-def _raw_gradient(d_raw, dtype, need_b: bool):
-    """The logits gradient in the GEMM dtype (the dX and dW products accumulate it in float32 outside), and
-    its column sums for the bias in float32."""
-    return d_raw.to(dtype), d_raw.sum(0) if need_b else None
-
-
-def gradient_from_product_tile(
-    product, b, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool, out, need_b: bool
-):
-    """Speed schedule: the gradient of one token tile's raw logits, from the GEMM output kept since its stats
-    pass, written into `out` ([n,V] in the GEMM dtype, a slice of a larger buffer); returns its bias part."""
-    z = logits_from_product(product, b, head, softcap)
-    onehot = targets.unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
-    d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
+def gradient_from_product_tile(product, rows: RowGradients, head: Head, out, need_b: bool):
+    """The gradient of one token tile's raw logits over the whole vocabulary, from the GEMM output x @ W.T,
+    written into `out` ([n,V] in the GEMM dtype, a slice of a larger buffer); returns its bias part."""
+    z = logits_from_product(product, head)
+    onehot = rows.targets.unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
+    d_raw = logits_gradient(z, onehot, rows, head)
     out.copy_(d_raw)
     return d_raw.sum(0) if need_b else None
 
 
-def gradient_vocab_tile(x, w_v, b_v, v0, targets, lse, entropy, g_logp, g_entropy, head, softcap: bool):
-    """Memory schedule: recompute the logits of token tile x against vocabulary slice w_v (rows v0..v0+v) and
-    return the gradient of those raw logits (x's dtype) and its bias part."""
-    z = tile_logits(x, w_v, b_v, head, softcap)
-    onehot = (targets - v0).unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
-    d_raw = logits_gradient(z, onehot, lse, entropy, g_logp, g_entropy, head, softcap)
-    return _raw_gradient(d_raw, x.dtype, b_v is not None)
+def gradient_vocab_tile(x, rows: RowGradients, head: Head, v0):
+    """Recompute the logits of token tile x against a vocabulary slice (`head` sliced to rows v0..v0+v of the
+    vocabulary) and return the gradient of those raw logits (x's dtype) and its bias part (float32)."""
+    z = tile_logits(x, head)
+    onehot = (rows.targets - v0).unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
+    d_raw = logits_gradient(z, onehot, rows, head)
+    return d_raw.to(x.dtype), d_raw.sum(0) if head.bias is not None else None

@@ -7,9 +7,44 @@ results are scattered back. A slot that holds no token points at token 0 and get
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes, in tokens (slots) or vocabulary entries. Active tokens go in tiles of a schedule's bulk size,
+    the rest in tiles of tail_tile * 2**k.
+    memory: the statistics pass holds [stats_rows, V] float32 logits; the gradient pass [token_tile, vocab_tile]
+      logits and writes each vocab_tile slice of dW once per token tile (one token tile: straight from a GEMM).
+    speed: a [speed_tile, V] float32 GEMM output per tile, and either every tile's 16-bit logits gradient for one
+      dW GEMM or a float32 [V, H] dW sum fed by one GEMM per group of speed_group tokens (schedules/speed.py).
+    sparse: the statistics pass as memory's; the gradient pass over the rows that have a gradient in tiles of
+      sparse_tile rows ([sparse_tile, V] float32 GEMM output each)."""
+
+    token_tile: int
+    tail_tile: int
+    vocab_tile: int
+    stats_rows: int
+    speed_tile: int
+    speed_group: int
+    sparse_tile: int
+
+    @classmethod
+    def for_device(cls, device: torch.device, overrides: dict[str, int]) -> Tiles:
+        """Large GEMMs on a GPU, cache-sized ones on a CPU; `overrides` (the constructor's) win."""
+        if device.type == "cuda":
+            tiles = cls(token_tile=8192, tail_tile=128, vocab_tile=8192, stats_rows=1024, speed_tile=2048,
+                        speed_group=4096, sparse_tile=512)  # fmt: skip
+        else:  # one dW GEMM per tile measured faster than groups of 1024 or 4096 tokens (they leave the cache)
+            tiles = cls(token_tile=256, tail_tile=32, vocab_tile=4096, stats_rows=256, speed_tile=256,
+                        speed_group=256, sparse_tile=256)  # fmt: skip
+        return dataclasses.replace(tiles, **overrides)
+
+
+TILE_NAMES = tuple(f.name for f in dataclasses.fields(Tiles))
 
 
 @dataclass(frozen=True)
@@ -45,14 +80,19 @@ def bulk_and_tail(n: int, tile: int, tail: int) -> list[tuple[int, int]]:
     return tiles
 
 
-def plan_tokens(mask: torch.Tensor, tile: int, tail: int) -> TilePlan:
-    """Tiles over the active tokens in order, regardless of rows (token-separable objectives, stats passes)."""
-    active = mask.reshape(-1).nonzero().squeeze(1)
+def active_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Flat positions of the non-zero entries (the one wait on the GPU of planning)."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def plan_tokens(active: torch.Tensor, numel: int, tile: int, tail: int) -> TilePlan:
+    """Tiles over the `active` positions (of `numel`) in order, regardless of rows (token-separable objectives,
+    stats passes, the rows of a gradient pass)."""
     n = active.numel()
     tiles = bulk_and_tail(n, tile, min(tail, tile))
     slots = tiles[-1][0] + tiles[-1][1] if tiles else 0
-    slot_of_active = torch.arange(n, device=mask.device)
-    return _make_plan(active, slot_of_active, slots, tuple(tiles), identity=n == mask.numel() == slots)
+    slot_of_active = torch.arange(n, device=active.device)
+    return _make_plan(active, slot_of_active, slots, tuple(tiles), identity=n == numel == slots)
 
 
 def plan_whole_rows(mask: torch.Tensor, tile: int) -> TilePlan | None:
@@ -61,7 +101,7 @@ def plan_whole_rows(mask: torch.Tensor, tile: int) -> TilePlan | None:
     lengths = mask.sum(-1).tolist()
     if max(lengths, default=0) > tile:
         return None
-    active = mask.reshape(-1).nonzero().squeeze(1)
+    active = active_positions(mask)
     offsets, used, tiles_count = [], 0, 1 if lengths else 0
     for length in lengths:
         if used + length > tile:
@@ -95,6 +135,12 @@ def to_slots(flat: torch.Tensor, plan: TilePlan, fill=0) -> torch.Tensor:
 
 
 def from_slots(values: torch.Tensor, plan: TilePlan, numel: int) -> torch.Tensor:
-    """Slot values back to a flat [B*T] tensor, 0 at padded positions (differentiable)."""
+    """Slot values back to a flat [B*T, ...] tensor, 0 at padded positions (differentiable)."""
     picked = values.index_select(0, plan.slot_of_active)
-    return torch.zeros(numel, dtype=values.dtype, device=values.device).index_put((plan.active,), picked)
+    zeros = torch.zeros(numel, *values.shape[1:], dtype=values.dtype, device=values.device)
+    return zeros.index_put((plan.active,), picked)
+
+
+def plan_mask(mask: torch.Tensor, tile: int, tail: int) -> TilePlan:
+    """`plan_tokens` over the non-zero entries of a mask."""
+    return plan_tokens(active_positions(mask), mask.numel(), tile, tail)

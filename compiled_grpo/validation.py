@@ -20,7 +20,11 @@ def _is_tensor(x, name):
         _fail(name, f"expected a torch.Tensor, got {type(x).__name__}", TypeError)
 
 
-def check_shapes(hidden, weight, ids, mask, advantages, bias, per_token: dict, is_ratio, ref_hidden, ref_weight):
+def check_shapes(inputs) -> None:
+    """Types, shapes and dtypes of a call's `inputs.LossInputs`."""
+    hidden, weight, ids, mask = inputs.hidden, inputs.weight, inputs.completion_ids, inputs.completion_mask
+    advantages, bias, is_ratio = inputs.advantages, inputs.bias, inputs.importance_sampling_ratio
+    ref_hidden, ref_weight = inputs.ref_hidden, inputs.ref_weight
     for name, x in (("hidden", hidden), ("weight", weight), ("completion_ids", ids), ("completion_mask", mask)):
         _is_tensor(x, name)
     _is_tensor(advantages, "advantages")
@@ -44,7 +48,7 @@ def check_shapes(hidden, weight, ids, mask, advantages, bias, per_token: dict, i
         _fail("completion_ids", f"expected an integer dtype, got {ids.dtype}", TypeError)
     if advantages.shape not in ((B,), (B, T)):
         _fail("advantages", f"expected [{B}] or [{B}, {T}], got {tuple(advantages.shape)}")
-    for name, x in per_token.items():
+    for name, x in inputs.per_token().items():
         if x is not None:
             _is_tensor(x, name)
             if x.shape != (B, T):
@@ -63,8 +67,10 @@ def check_shapes(hidden, weight, ids, mask, advantages, bias, per_token: dict, i
             _fail("ref_weight", f"expected the shape of weight {tuple(weight.shape)}, got {tuple(ref_weight.shape)}")
 
 
-def check_values(ids, mask, advantages, vocab: int, per_token: dict, is_ratio):
-    """Host-syncing checks of the values at active positions."""
+def check_values(inputs, vocab: int) -> None:
+    """Host-syncing checks of the values at active positions; `vocab` is the whole vocabulary's size."""
+    ids, mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages
+    is_ratio = inputs.importance_sampling_ratio
     if not ((mask == 0) | (mask == 1)).all():
         _fail("completion_mask", "values must be 0 or 1")
     active = mask.bool()
@@ -76,7 +82,7 @@ def check_values(ids, mask, advantages, vocab: int, per_token: dict, is_ratio):
     adv = advantages if advantages.dim() == 1 else advantages[active]
     if not torch.isfinite(adv).all():
         _fail("advantages", "non-finite value at an active position")
-    for name, x in per_token.items():
+    for name, x in inputs.per_token().items():
         if x is None:
             continue
         v = x[active]

@@ -8,7 +8,9 @@ import torch._dynamo
 from cases import assert_matches, make_inputs, run_fused, run_reference
 from torch._dynamo.utils import counters
 
-from compiled_grpo import FusedLinearGRPOLoss, fused
+from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo.head import Head
+from compiled_grpo.kernels import Kernels
 
 pytestmark = pytest.mark.compiled
 
@@ -65,13 +67,13 @@ def test_no_recompile_across_batch_shapes_and_settings():
 def test_more_tile_shapes_than_dynamos_default_recompile_limit():
     """Nine stats-tile shapes in one process: past dynamo's default limit of 8 graphs, which under fullgraph=True
     is an error."""
-    kernels = fused.Kernels(compiled=True)
+    kernels = Kernels(compiled=True)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(50, 8, generator=g)
     head = torch.tensor([1.0, 1.0, 1.0])
     for rows in range(1, 10):
         x = torch.randn(rows, 8, generator=g)
         targets = torch.randint(0, 50, (rows,), generator=g)
-        logp, entropy, lse = kernels.statistics(x, w, None, targets, head, False)
+        logp, entropy, lse = kernels.statistics(x, targets, Head(w, None, head, False))
         expected = torch.log_softmax(x @ w.T, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(logp, expected)

@@ -87,7 +87,7 @@ def test_every_position_active(loss_type, schedule):
     memory schedule's single token tile writes each dW slice straight from its GEMM."""
     x = make_inputs(seed=3, B=2, T=32, dtype=torch.float64, empty_row=False)
     x["completion_mask"] = torch.ones_like(x["completion_mask"])
-    assert tiling.plan_tokens(x["completion_mask"], TILES["token_tile"], TILES["tail_tile"]).identity
+    assert tiling.plan_mask(x["completion_mask"], TILES["token_tile"], TILES["tail_tile"]).identity
     settings = settings_for(loss_type, {"beta": 0.04})
     x["ref_per_token_logps"] = x["old_per_token_logps"] - 0.1
     ref, ref_grads = run_reference(x, settings)

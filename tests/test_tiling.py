@@ -34,7 +34,7 @@ def test_tail_shapes_are_a_fixed_set_across_batches():
 
 def test_plan_of_a_full_mask_is_the_identity():
     mask = torch.ones(4, 16, dtype=torch.long)
-    plan = tiling.plan_tokens(mask, 32, 8)
+    plan = tiling.plan_mask(mask, 32, 8)
     assert plan.identity and plan.slots == 64
     mask[1, 3] = 0
-    assert not tiling.plan_tokens(mask, 32, 8).identity
+    assert not tiling.plan_mask(mask, 32, 8).identity

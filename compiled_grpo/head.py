@@ -1,0 +1,59 @@
+"""The lm_head as the tiles see it, and where this rank's vocabulary slice sits.
+
+`Head` is a NamedTuple of tensors (plus the softcap flag): torch.compile traces its fields like separate
+arguments, and since the scale, temperature and cap travel as one small tensor, new values never recompile a
+tile. Only the presence of a bias and of a softcap shape the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import distributed
+
+SCALE, INV_TEMP, CAP = 0, 1, 2  # positions in `Head.values`
+
+
+class Head(NamedTuple):
+    weight: torch.Tensor  # [V, H] (a vocabulary slice of it, inside a tile loop)
+    bias: torch.Tensor | None  # [V]
+    values: torch.Tensor  # [logit_scale, 1 / temperature, softcap], in the statistics dtype
+    softcap: bool  # whether the model caps its logits (Gemma's final_logit_softcapping)
+
+    def vocab_slice(self, start: int, size: int) -> Head:
+        bias = None if self.bias is None else self.bias[start : start + size]
+        return self._replace(weight=self.weight[start : start + size], bias=bias)
+
+    def detached(self) -> Head:
+        bias = None if self.bias is None else self.bias.detach()
+        return self._replace(weight=self.weight.detach(), bias=bias)
+
+
+def make_head(weight, bias, cfg, dtype) -> Head:
+    """The head of a loss config (logit_scale, temperature, final_logit_softcapping)."""
+    cap = cfg.final_logit_softcapping
+    values = device_constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, weight.device)
+    return Head(weight, bias, values, cap is not None)
+
+
+@functools.cache
+def device_constant(values: tuple, dtype, device) -> torch.Tensor:
+    """A small constant tensor, made once: each host-to-device copy waits for every kernel queued before it."""
+    return torch.tensor(values, dtype=dtype, device=torch.device(device))
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of a vocabulary-parallel lm_head: rows start..start + V_local of the full vocabulary,
+    the other slices on the ranks of `group` (distributed.LOCAL: the whole vocabulary is here)."""
+
+    group: object = distributed.LOCAL
+    start: int = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.group is not distributed.LOCAL

@@ -1,0 +1,44 @@
+"""The tensors of one call, as one record."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+HEAD_TENSORS = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
+PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    hidden: torch.Tensor  # [B, T, H]: the states that predict completion_ids (already shifted)
+    weight: torch.Tensor  # [V, H]: the lm_head (this rank's rows of it when vocabulary-parallel)
+    completion_ids: torch.Tensor  # [B, T] integer
+    completion_mask: torch.Tensor  # [B, T] 0/1
+    advantages: torch.Tensor  # [B] or [B, T]
+    bias: torch.Tensor | None = None  # [V]
+    old_per_token_logps: torch.Tensor | None = None  # [B, T]
+    ref_per_token_logps: torch.Tensor | None = None  # [B, T]
+    sampling_per_token_logps: torch.Tensor | None = None  # [B, T], NaN for tokens vLLM could not score
+    importance_sampling_ratio: torch.Tensor | None = None  # [B, T], [B, 1] or [B]
+    ref_hidden: torch.Tensor | None = None  # [B, T, H]: a reference model's states, for ref log-probs
+    ref_weight: torch.Tensor | None = None  # [V, H]: a separate reference lm_head
+    ref_bias: torch.Tensor | None = None  # [V]
+
+    def per_token(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(self, name) for name in PER_TOKEN}
+
+    def cast_head(self, convert) -> LossInputs:
+        """The same inputs with `convert` applied to the lm_head's tensors (hidden states, weights, biases)."""
+        return dataclasses.replace(self, **{name: convert(getattr(self, name)) for name in HEAD_TENSORS})
+
+    def under_autocast(self) -> LossInputs:
+        """Under autocast, the lm_head's floating tensors in the autocast dtype (as TRL's fused head computes):
+        fp32 master weights get 16-bit GEMMs, and their gradients come back in fp32 through the cast."""
+        device_type = self.hidden.device.type if isinstance(self.hidden, torch.Tensor) else "cpu"
+        if not torch.is_autocast_enabled(device_type):
+            return self
+        dtype = torch.get_autocast_dtype(device_type)
+        return self.cast_head(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)

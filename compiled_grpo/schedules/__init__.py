@@ -1,0 +1,43 @@
+"""The schedules that drive the lm_head tiles, and the rule that picks one.
+
+memory: statistics forward, gradients recomputed vocabulary-outer in the backward (8NHV, small workspace).
+speed:  statistics and gradients on the same logits, tile by tile (6NHV; not with top_entropy_quantile < 1).
+sparse: statistics forward, gradients recomputed only for the rows whose upstream gradient is non-zero
+        (2NHV + 6nHV for n such rows).
+Each module owns its plan, its workspace estimate, its autograd Function and its tile loop.
+"""
+
+from __future__ import annotations
+
+from . import memory, sparse, speed
+from .passes import Engine
+
+SCHEDULES = ("auto", "speed", "memory", "sparse")
+
+
+def choose(requested: str, engine: Engine, objective, head, budget: int, speed_tile_set: bool):
+    """(schedule module, its plan). The rule for "auto":
+    - a vocabulary-parallel lm_head: memory (the one schedule that combines the shards' statistics);
+    - top_entropy_quantile < 1: sparse (the threshold needs every entropy before any gradient; then only the
+      masked-in tokens, and those the KL term or the bonus reach, need the gradient pass), or memory where
+      sparse's workspace exceeds `budget` bytes;
+    - otherwise speed (6NHV, and 2NHV only for tokens at advantage 0 without KL or bonus), or memory where its
+      workspace exceeds `budget` bytes or a row that must stay whole does not fit a speed tile.
+    An explicit schedule runs as asked (speed raises where a row that must stay whole does not fit)."""
+    mask = objective.inputs.completion_mask
+    if requested == "memory" or (requested == "auto" and engine.shard.parallel):
+        return memory, memory.plan(engine, mask)
+    if requested == "sparse" or (requested == "auto" and objective.cfg.uses_entropy_mask):
+        plan = sparse.plan(engine, mask)
+        if requested == "sparse" or sparse.workspace_bytes(engine, plan, head) <= budget:
+            return sparse, plan
+        return memory, plan  # the same token plan
+    plan = speed.plan(engine, objective, head, speed_tile_set)
+    if plan is None and requested == "speed":
+        raise ValueError(
+            f"schedule='speed' with a sequence-level objective needs whole rows in a token tile; a row has more "
+            f"than speed_tile={engine.tiles.speed_tile} active tokens: raise speed_tile or use schedule='memory'"
+        )
+    if requested == "speed" or (plan is not None and speed.workspace_bytes(engine, plan, head) <= budget):
+        return speed, plan
+    return memory, memory.plan(engine, mask)

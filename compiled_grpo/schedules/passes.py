@@ -1,0 +1,175 @@
+"""Passes over lm_head tiles that the schedules share: slots, the statistics pass, and the two ways of
+turning logits gradients into dX, dW and db (token-outer over whole-vocabulary tiles, vocabulary-outer over
+slices of the vocabulary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .. import distributed, streaming, tiling
+from ..head import Head, VocabShard
+from ..kernels import Kernels
+from ..streaming import RowGradients
+from ..tiling import TilePlan, Tiles
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How the tiles of a call run: the tile functions (compiled or eager), their sizes, the vocabulary shard."""
+
+    kernels: Kernels
+    tiles: Tiles
+    shard: VocabShard
+
+
+class Wanted(NamedTuple):
+    """Which lm_head gradients are asked for."""
+
+    weight: bool
+    bias: bool
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Hidden rows and target ids laid out in a plan's slots (targets relative to this rank's vocabulary)."""
+
+    plan: TilePlan
+    x: torch.Tensor  # [slots, H]
+    targets: torch.Tensor  # [slots]
+
+
+def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0) -> Slots:
+    x = tiling.to_slots(hidden.reshape(-1, hidden.shape[-1]), plan, fill=None)
+    targets = tiling.to_slots(ids.reshape(-1).long(), plan, fill=0) - vocab_start
+    return Slots(plan, x, targets)
+
+
+def statistics_pass(engine: Engine, x, targets, head: Head, tiles):
+    """(logp, entropy, lse) for the slots of `tiles`, `stats_rows` tokens at a time against the whole vocabulary (a tile
+    of more rows is split, keeping the [rows, V] float32 logits the only large temporary). With a vocabulary-
+    parallel shard, `head` is this rank's slice and the slices' statistics are combined across its group."""
+    rows = engine.tiles.stats_rows
+    pieces = [(s + i, min(rows, n - i)) for s, n in tiles for i in range(0, n, rows)]
+    fold = engine.kernels.partial_statistics if engine.shard.parallel else engine.kernels.statistics
+    outs = [fold(x[s : s + n], targets[s : s + n], head) for s, n in pieces]
+    if not outs:
+        empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
+        return empty, empty, empty
+    outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+    return distributed.combine_vocab_shards(*outs, engine.shard.group) if engine.shard.parallel else outs
+
+
+def accumulator(like: torch.Tensor, shape) -> torch.Tensor:
+    """A float32 (float64 for float64 inputs) buffer for sums over tiles."""
+    return torch.zeros(shape, dtype=streaming.stat_dtype(like), device=like.device)
+
+
+def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, tiles, wanted: Wanted):
+    """dX, dW, db of the slots' rows, vocabulary-outer: each vocabulary slice against every token tile, so each
+    slice of dW is written once, from a float32 sum over token tiles, or straight from its GEMM when there is one
+    token tile (no float32 [V, H] accumulator). dX ([slots, H], small) is summed over the slices in float32."""
+    weight, bias = head.weight, head.bias
+    dx = torch.empty(x.shape, dtype=streaming.stat_dtype(x), device=x.device)
+    if not tiles:  # nothing active: zero gradients
+        zeros = lambda t, need: torch.zeros_like(t) if need else None
+        return dx.zero_().to(x.dtype), zeros(weight, wanted.weight), zeros(bias, wanted.bias)
+    vocab_tile = engine.tiles.vocab_tile
+    dw = torch.empty_like(weight) if wanted.weight else None
+    db = torch.empty_like(bias) if wanted.bias else None
+    offsets = torch.arange(0, weight.shape[0], vocab_tile, device=x.device)  # made on the device: no wait
+    direct = len(tiles) == 1  # one token tile: a dW slice is one GEMM, written in weight's dtype directly
+    for j, v0 in enumerate(range(0, weight.shape[0], vocab_tile)):
+        head_v = head.vocab_slice(v0, vocab_tile)
+        dw_v = None
+        if wanted.weight:
+            dw_v = dw[v0 : v0 + vocab_tile] if direct else accumulator(x, head_v.weight.shape)
+        db_v = accumulator(x, head_v.weight.shape[:1]) if wanted.bias else None
+        for i, (s, n) in enumerate(tiles):
+            rows_t = RowGradients(*(t[s : s + n] for t in rows))
+            d_raw, db_t = engine.kernels.gradient_vocab(x[s : s + n], rows_t, head_v, offsets[j])
+            streaming.add_matmul(dx[s : s + n], d_raw, head_v.weight, first=j == 0)
+            if direct and wanted.weight:
+                torch.mm(d_raw.T, x[s : s + n], out=dw_v)
+            elif wanted.weight:
+                streaming.add_matmul(dw_v, d_raw.T, x[s : s + n], first=i == 0)
+            if wanted.bias:
+                db_v += db_t
+        if wanted.weight and not direct:
+            dw[v0 : v0 + vocab_tile] = dw_v
+        if wanted.bias:
+            db[v0 : v0 + vocab_tile] = db_v
+    distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
+    return dx.to(x.dtype), dw, db
+
+
+def buffers_weight_gradient(dtype: torch.dtype, rows: int, hidden_size: int) -> bool:
+    """With 16-bit GEMMs, keeping every row's logits gradient ([rows, V], 16-bit) for one dW GEMM at the end
+    beats a float32 [V, H] accumulator when it is no larger (rows <= 2H): dW then comes out of a single GEMM
+    that sums all rows in float32 and rounds once, with no accumulator traffic and no final cast."""
+    return dtype in (torch.float16, torch.bfloat16) and 2 * rows <= 4 * hidden_size
+
+
+class TokenOuterGradients:
+    """dX, dW and db from whole-vocabulary token tiles, each tile's logits gradient formed from its GEMM output
+    x @ W.T (`add`). dX of a tile is one GEMM over the whole vocabulary, rounded once to x's dtype. dW:
+
+    buffered: every slot's 16-bit gradient is kept; dW = one GEMM over all of them at the end.
+    accumulated: rows for `group` consecutive slots (whole tiles); each full group adds one GEMM with K = group
+    into a float32 [V, H] sum, cast once at the end. Deeper, fewer accumulating GEMMs than one per tile: each
+    re-reads and re-writes the whole float32 sum.
+    """
+
+    def __init__(self, x, head: Head, tiles, group: int, buffered: bool, wanted: Wanted):
+        self.x, self.head, self.wanted = x, head, wanted
+        self.buffered = buffered and wanted.weight
+        widest = max((n for _, n in tiles), default=0)
+        rows = x.shape[0] if self.buffered else max(group if wanted.weight else 0, widest)
+        self.rows = torch.empty(rows, head.weight.shape[0], dtype=x.dtype, device=x.device)
+        # not zeroed: the first group's GEMM writes it with beta = 0 (a fill is a pass over [V, H])
+        accumulates = wanted.weight and not self.buffered
+        self.sum = torch.empty(head.weight.shape, dtype=streaming.stat_dtype(x), device=x.device) if accumulates else None
+        self.dx = torch.empty_like(x)
+        self.db = accumulator(x, head.weight.shape[:1]) if wanted.bias else None
+        self.start, self.used, self.added = 0, 0, False
+
+    def add(self, kernels: Kernels, s: int, product, rows: RowGradients) -> None:
+        """Tile (s, n): its logits gradient from `product` = x[s:s+n] @ W.T, then its dX and its share of dW, db."""
+        n = product.shape[0]
+        d_raw = self._rows_for(s, n)
+        db_t = kernels.gradient_from_product(product, rows, self.head, d_raw, self.wanted.bias)
+        torch.mm(d_raw, self.head.weight, out=self.dx[s : s + n])
+        if self.wanted.bias:
+            self.db += db_t
+
+    def result(self):
+        """(dX in x's dtype, dW in weight's dtype or None, db in float32 or None)."""
+        return self.dx, self._weight_gradient(), self.db
+
+    def _rows_for(self, s: int, n: int) -> torch.Tensor:
+        if self.buffered:
+            return self.rows[s : s + n]
+        if self.used + n > self.rows.shape[0]:
+            self._add_group()
+        if self.used == 0:
+            self.start = s
+        self.used += n
+        return self.rows[self.used - n : self.used]
+
+    def _add_group(self):
+        if self.sum is not None and self.used:
+            group, x = self.rows[: self.used], self.x[self.start : self.start + self.used]
+            streaming.add_matmul(self.sum, group.T, x, first=not self.added)
+            self.added = True
+        self.used = 0
+
+    def _weight_gradient(self) -> torch.Tensor | None:
+        if not self.wanted.weight:
+            return None
+        if self.buffered:
+            return torch.mm(self.rows.T, self.x)
+        self._add_group()
+        self.rows = None  # freed before the cast, which briefly holds the sum and its 16-bit copy
+        return self.sum.to(self.head.weight.dtype) if self.added else torch.zeros_like(self.head.weight)

@@ -1,0 +1,87 @@
+"""The sparse schedule: statistics for every token, the gradient pass only over rows that have a gradient.
+
+forward:  the memory schedule's statistics pass and objective (every active token's logp and entropy, the
+          entropy threshold, the metrics).
+backward: the objective's gradients d loss / d logp and d loss / d entropy are known per token; a token whose
+          two are exactly 0 (outside the entropy mask with beta = 0, advantage 0, dropped by the off-policy mask,
+          in the clipped branch, vespo weight 0) contributes exactly nothing to dX, dW and db. Those rows are
+          skipped: the others are compacted (the one wait on the GPU of the backward) into static tile shapes
+          and their logits recomputed. 2NHV + 6nHV FLOPs for n rows with a gradient, against the memory
+          schedule's 8NHV. A skipped row's dX is exactly 0.
+          Token-outer (whole-vocabulary tiles of `sparse_tile` rows, dX from one GEMM per tile, dW from one GEMM
+          over every row's buffered 16-bit gradient) when the selected rows are at most 2H with 16-bit inputs, or
+          with float32/64 inputs (whose dW sum needs no cast); vocabulary-outer over the selected rows otherwise,
+          which needs no float32 [V, H] accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import distributed, streaming, tiling
+from ..head import Head
+from ..streaming import RowGradients
+from ..tiling import TilePlan
+from . import memory, passes
+from .memory import StatisticsThenRecompute
+from .passes import Engine, TokenOuterGradients, Wanted
+
+plan = memory.plan
+
+
+def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
+    """The statistics pass's float32 logits, or the gradient pass's: a [sparse_tile, V] float32 product and, at
+    most, 2H rows of 16-bit gradients (the vocabulary-outer pass takes over beyond)."""
+    vocab, hidden_size = head.weight.shape
+    rows = min(plan.slots, 2 * hidden_size)
+    gradient_pass = 4 * engine.tiles.sparse_tile * vocab + 2 * rows * vocab
+    return max(4 * engine.tiles.stats_rows * vocab, gradient_pass)
+
+
+def token_outer(x) -> bool:
+    return x.dtype in (torch.float32, torch.float64)
+
+
+class StatisticsThenSparseGradients(StatisticsThenRecompute):
+    """The memory schedule's forward; a backward over the rows with a non-zero upstream gradient only."""
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        x, weight, bias, lse, entropy = ctx.saved_tensors
+        s = ctx.setup
+        head = Head(weight, bias, s.head_values, s.softcap)
+        wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        selected = tiling.active_positions((g_logp != 0) | (g_entropy != 0))
+        per_slot = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
+        rows_plan, dx, dw, db = gradients_of_rows(s.engine, x, head, selected, wanted, per_slot)
+        return tiling.from_slots(dx, rows_plan, x.shape[0]), dw, db, None
+
+
+def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, per_slot: RowGradients):
+    """dX (of the selected rows, in their plan's slots), dW and db from the selected slots alone."""
+    t = engine.tiles
+    token_tiles = passes.buffers_weight_gradient(x.dtype, selected.numel(), x.shape[1]) or token_outer(x)
+    tile = t.sparse_tile if token_tiles else t.token_tile
+    rows_plan = tiling.plan_tokens(selected, x.shape[0], tile, t.tail_tile)
+    # Padding slots read slot 0's row and statistics (finite probabilities) with zero upstream gradients, so
+    # their logits gradient is exactly 0.
+    same = lambda v: tiling.to_slots(v, rows_plan, fill=None)
+    zero = lambda v: tiling.to_slots(v, rows_plan, fill=0.0)
+    x_r = same(x)
+    rows = RowGradients(*map(same, per_slot[:3]), zero(per_slot.g_logp), zero(per_slot.g_entropy))
+    if not token_tiles:
+        dx, dw, db = passes.vocab_outer_gradients(engine, x_r, rows, head, rows_plan.tiles, wanted)
+        return rows_plan, dx, dw, db
+    buffered = not token_outer(x)
+    grads = TokenOuterGradients(x_r, head, rows_plan.tiles, t.sparse_tile, buffered, wanted)
+    for s, n in rows_plan.tiles:
+        product = streaming.matmul_fp32(x_r[s : s + n], head.weight.T)
+        grads.add(engine.kernels, s, product, RowGradients(*(v[s : s + n] for v in rows)))
+        del product  # freed before the next tile's is made
+    dx, dw, db = grads.result()
+    distributed.all_sum_(dx, engine.shard.group)
+    return rows_plan, dx, dw, None if db is None else db.to(head.bias.dtype)
+
+
+def run(engine: Engine, objective, head: Head, plan: TilePlan):
+    return memory.run(engine, objective, head, plan, function=StatisticsThenSparseGradients)

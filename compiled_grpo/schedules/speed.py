@@ -1,0 +1,168 @@
+"""The speed schedule: statistics, objective gradient and lm_head gradients on the same logits, tile by tile.
+
+Per token tile: the GEMM output x @ W.T and the statistics (logp, entropy, lse); the objective's gradient for
+that tile's tokens; their logits gradient from the same GEMM output; dX, and the tile's share of dW and db
+(`passes.TokenOuterGradients`). 6NHV FLOPs, no recompute, every gradient ready when the forward returns; the
+backward only scales them. Exact because, with the normalizers fixed up front, a token's gradient depends
+only on its own row: tiles hold whole rows when the objective couples a row's tokens (sequence-level
+importance sampling, the off-policy mask, vespo), and the entropy threshold (which needs every entropy
+first) is not available here.
+
+Tokens whose gradient is known to be 0 from the inputs alone (advantage 0 with beta = 0 and no entropy
+bonus, `Objective.zero_gradient_tokens`) get their statistics only (2NHV instead of 6NHV for them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import streaming, tiling
+from ..head import Head
+from ..objectives import Objective
+from ..streaming import RowGradients
+from ..tiling import TilePlan
+from . import passes
+from .passes import Engine, TokenOuterGradients, Wanted
+
+ACCUMULATING_SPEED_TILE = 1024  # GPU speed tile when dW is summed over groups (see `plan`)
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    gradient: TilePlan  # tokens that get a gradient (whole rows in a tile when the objective couples them)
+    statistics_only: TilePlan | None  # tokens whose gradient is known to be 0
+    buffered: bool  # dW from one GEMM over every gradient token's 16-bit logits gradient (`buffers_weight_gradient`)
+
+    @property
+    def tile(self) -> int:
+        return max((n for _, n in self.gradient.tiles), default=0)
+
+
+def plan(engine: Engine, objective: Objective, head: Head, speed_tile_set: bool) -> SpeedPlan | None:
+    """The tile plan, or None when a row that must stay whole has more active tokens than a tile."""
+    mask = objective.inputs.completion_mask
+    zero = objective.zero_gradient_tokens()
+    gradient_mask = mask if zero is None else mask.bool() & ~zero
+    active = tiling.active_positions(gradient_mask)  # the one wait on the GPU of planning
+    t = engine.tiles
+    buffered = passes.buffers_weight_gradient(head.weight.dtype, active.numel(), head.weight.shape[1])
+    tile = t.speed_tile
+    if head.weight.requires_grad and not buffered and head.weight.is_cuda and not speed_tile_set:
+        # Half the logits tile buys a 4096-token group in the same memory (4 * 1024 + 2 * 4096 bytes per
+        # vocabulary entry, as 6 * 2048), halving the passes over the float32 dW sum.
+        tile = ACCUMULATING_SPEED_TILE
+    if objective.cfg.couples_sequence:
+        gradient = tiling.plan_whole_rows(gradient_mask, tile)
+        if gradient is None:
+            return None
+    else:
+        gradient = tiling.plan_tokens(active, mask.numel(), tile, t.tail_tile)
+    statistics_only = None if zero is None else tiling.plan_mask(zero, t.stats_rows, t.tail_tile)
+    return SpeedPlan(gradient, statistics_only, buffered)
+
+
+def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
+    """A tile's float32 GEMM output, plus the 16-bit logits gradients kept for dW: every token's (buffered),
+    a group's and the float32 dW sum (accumulated), or one tile's (no weight gradient)."""
+    vocab = head.weight.shape[0]
+    if not head.weight.requires_grad:
+        kept = 2 * plan.tile * vocab
+    elif plan.buffered:
+        kept = 2 * plan.gradient.slots * vocab
+    else:
+        kept = 2 * max(plan.tile, engine.tiles.speed_group) * vocab + 4 * head.weight.numel()
+    return 4 * plan.tile * vocab + kept
+
+
+class FlatStatistics:
+    """logp and entropy over the flat [B*T] positions, with one scratch entry at B*T for padding slots (so
+    scattering a tile's values needs no boolean indexing, which would make the host wait for the GPU)."""
+
+    def __init__(self, numel: int, dtype, device):
+        self.numel = numel
+        self.logp = torch.zeros(numel + 1, dtype=dtype, device=device)
+        self.entropy = torch.zeros_like(self.logp)
+
+    def destinations(self, plan: TilePlan) -> torch.Tensor:
+        return torch.where(plan.valid, plan.source, self.numel)
+
+    def write(self, dest, logp, entropy) -> None:
+        self.logp.index_copy_(0, dest, logp)
+        self.entropy.index_copy_(0, dest, entropy)
+
+    def view(self, shape):
+        return self.logp[: self.numel].view(shape), self.entropy[: self.numel].view(shape)
+
+
+def tile_gradients(objective: Objective, flat: FlatStatistics, norms, plan: TilePlan, s: int, n: int):
+    """d loss / d (logp, entropy) for the tokens of slots s..s+n, from the objective on [B,T] with the batch's
+    normalizers (exact: a token's gradient depends only on its own row's values, all of them in this tile)."""
+    shape = objective.inputs.completion_mask.shape
+    lp = flat.logp[: flat.numel].detach().clone().requires_grad_()
+    h = flat.entropy[: flat.numel].detach().clone().requires_grad_()
+    loss, _ = objective.loss_of_rows(lp.view(shape), h.view(shape), norms)
+    g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True, materialize_grads=True)
+    src, valid = plan.source[s : s + n], plan.valid[s : s + n]
+    return torch.where(valid, g_lp[src], 0.0), torch.where(valid, g_h[src], 0.0)
+
+
+def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
+    inputs = objective.inputs
+    hidden, ids = inputs.hidden, inputs.completion_ids
+    flat = FlatStatistics(ids.numel(), streaming.stat_dtype(hidden), hidden.device)
+    wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
+    detached = head.detached()
+    if plan.statistics_only is not None and plan.statistics_only.tiles:
+        slots = passes.gather_slots(hidden.detach(), ids, plan.statistics_only)
+        logp, entropy, _ = passes.statistics_pass(engine, slots.x, slots.targets, detached, slots.plan.tiles)
+        flat.write(flat.destinations(plan.statistics_only), logp, entropy)
+    slots = passes.gather_slots(hidden.detach(), ids, plan.gradient)
+    x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
+    dest = flat.destinations(plan.gradient)
+    grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
+    norms = None
+    for s, n in tiles:
+        logp, entropy, lse, product = engine.kernels.statistics_and_product(x[s : s + n], targets[s : s + n], detached)
+        flat.write(dest[s : s + n], logp, entropy)
+        # made after the first GEMM is queued, so the GPU does not wait while the host launches their kernels
+        norms = objective.normalizers() if norms is None else norms
+        g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, s, n)
+        grads.add(engine.kernels, s, product, RowGradients(targets[s : s + n], lse, entropy, g_logp, g_entropy))
+        del product  # freed before the next tile's is made
+    dx, dw, db = grads.result()
+    logp, entropy = flat.view(ids.shape)
+    loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms)
+    d_hidden = None
+    if hidden.requires_grad:
+        d_hidden = dx.view(hidden.shape) if plan.gradient.identity else scatter_rows(dx, plan.gradient, hidden)
+    d_weight = dw.to(head.weight.dtype) if wanted.weight else None
+    d_bias = db.to(head.bias.dtype) if wanted.bias else None
+    loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, (d_hidden, d_weight, d_bias))
+    return loss, metrics, logp, entropy, None
+
+
+def scatter_rows(dx, plan: TilePlan, hidden):
+    """dX of the slots back to [B, T, H], 0 where no slot is (padding, statistics-only tokens)."""
+    numel = hidden.shape[0] * hidden.shape[1]
+    d_hidden = torch.zeros(numel + 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    d_hidden.index_copy_(0, torch.where(plan.valid, plan.source, numel), dx)  # padding slots: the scratch row
+    return d_hidden[:numel].view(hidden.shape)
+
+
+class PrecomputedGradients(torch.autograd.Function):
+    """A loss whose gradients w.r.t. hidden, weight and bias were computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grads):
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        grads = ctx.grads
+        ctx.grads = None
+        if not torch.equal(g, torch.ones_like(g)):  # the usual loss.backward() needs no pass over [V, H]
+            grads = tuple(None if t is None else (t * g).to(t.dtype) for t in grads)
+        return (None, *grads, None)
