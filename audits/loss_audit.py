@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-import reference
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss
 
-from . import tolerances
+from . import harness, reference, tolerances
 from .results import CellResult
 
 reference_threshold = reference.objective.entropy_threshold
@@ -99,53 +98,8 @@ def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0) -> di
     return {k: v.to(device) for k, v in x.items()}
 
 
-HEAD = ("hidden", "weight", "bias")
-REST = ("completion_ids", "completion_mask", "advantages")
-
-
-def _leaves(x: dict, dtype=None) -> dict:
-    y = dict(x)
-    for k in HEAD:
-        t = x[k].detach()
-        y[k] = (t if dtype is None else t.to(dtype)).requires_grad_()
-    return y
-
-
-def _call(fn, y: dict, **extra):
-    args = [y[k] for k in HEAD[:2] + REST]
-    kwargs = {k: v for k, v in y.items() if k not in HEAD[:2] + REST}
-    out = fn(*args, **kwargs, **extra)
-    out.loss.backward()
-    return out, {k: y[k].grad for k in HEAD}
-
-
-def run_reference(x: dict, settings: dict, entropy_mask_override=None):
-    """float64 on the inputs as given (already rounded to the cell's dtype)."""
-    return _call(lambda *a, **k: reference.grpo_loss(*a, **k, **settings), _leaves(x, torch.float64),
-                 entropy_mask_override=entropy_mask_override)  # fmt: skip
-
-
-def run_naive_bf16(x: dict, settings: dict):
-    """Plain full-logits autograd in bf16, the way a user would write it (the three-way bound's baseline)."""
-    y = _leaves(x)
-    z = y["hidden"] @ y["weight"].T + y["bias"]
-    log_p = torch.log_softmax(z, dim=-1)
-    logp = log_p.gather(-1, y["completion_ids"].unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    inputs = {k: y[k] for k in ("old_per_token_logps", "ref_per_token_logps")}
-    out = reference.grpo_objective(logp.float(), entropy.float(), y["completion_mask"], y["advantages"], **inputs,
-                                   **settings)  # fmt: skip
-    out.loss.backward()
-    return out, {k: y[k].grad for k in HEAD}
-
-
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if b.numel() == 0:
-        return 0.0
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    diff = torch.where(both_nan, 0.0, (a - b).abs())
-    return float(diff.max() / max(float(b.abs().nan_to_num(0.0).max()), tolerances.FLOOR))
+    return harness.relative_error(a, b, tolerances.FLOOR)
 
 
 def compare_masks(out, ref, mask, q: float, dtype: str, result: CellResult) -> bool:
@@ -174,10 +128,10 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
     settings = cell.settings(size.T)
     result = CellResult("loss", cell.name, params={**cell.__dict__})
     loss_fn = FusedLinearGRPOLoss(compiled=cell.mode == "compiled", schedule=cell.schedule, **settings)
-    out, grads = _call(loss_fn, _leaves(x))
-    ref, ref_grads = run_reference(x, settings)
+    out, grads = harness.run_fused(loss_fn, x)
+    ref, ref_grads = harness.run_reference(x, settings)
     if compare_masks(out, ref, x["completion_mask"], cell.q, cell.dtype, result):
-        ref, ref_grads = run_reference(x, settings, entropy_mask_override=out.entropy_mask)
+        ref, ref_grads = harness.run_reference(x, settings, entropy_mask_override=out.entropy_mask)
     tol = tolerances.for_dtype(cell.dtype)
     result.check("loss", relative_error(out.loss, ref.loss), tol["loss"])
     missing = set(ref.metrics) ^ set(out.metrics)
@@ -186,8 +140,8 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
         result.check(f"metric {name}", relative_error(out.metrics[name], ref.metrics[name]), tol["metric"])
     result.check("logp", relative_error(out.per_token_logps, ref.per_token_logps), tol["logp"])
     result.check("entropy", relative_error(out.entropy, ref.entropy), tol["entropy"])
-    naive_grads = run_naive_bf16(x, settings)[1] if cell.dtype == "bfloat16" else None
-    for k in HEAD:
+    naive_grads = harness.run_naive_bf16(x, settings)[1] if cell.dtype == "bfloat16" else None
+    for k in harness.HEAD:
         err = relative_error(grads[k], ref_grads[k])
         if naive_grads is None:
             bound = tol["gradient"]

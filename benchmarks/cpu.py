@@ -2,7 +2,7 @@
 floor), full logits with autograd, and TRL 1.16.0's CPU path (its fused head scores every position on a
 device without Triton) followed by the same loss.
 
-Shape (DESIGN.md): fp32, B=4, T=256, H=512, V=32000, positions 200+ of every row padded (800 active tokens),
+Shape: fp32, B=4, T=256, H=512, V=32000, positions 200+ of every row padded (800 active tokens),
 dapo, forward + backward. Medians over --repeats runs after warm-up, every method in this process.
 
     python -m benchmarks.cpu [--repeats 10] [--out docs/benchmarks/cpu.md]

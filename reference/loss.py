@@ -44,7 +44,7 @@ def grpo_loss(
 ) -> ReferenceOutput:
     """GRPO-family loss of one micro-batch from hidden states [B,T,H] and the lm_head W [V,H] (+ bias [V]).
 
-    Settings are keywords with TRL's names (see `Settings`); inputs as in SEMANTICS.md. Gradients of hidden,
+    Settings are keywords with TRL's names (see `Settings`); inputs as in docs/semantics.md. Gradients of hidden,
     weight and bias come from `out.loss.backward()`.
     """
     s = make_settings(settings)
@@ -148,8 +148,7 @@ def grpo_objective(
     elif s.loss_type == "sapo":
         loss = obj.sapo_loss(coef_1, adv, s)
     elif s.loss_type == "vespo":
-        vespo_is = None if is_ratio is None else is_ratio  # TRL sums it over all T positions, masked ones too
-        phi = obj.vespo_phi(adv, logp - old, mask, vespo_is, s)
+        phi = obj.vespo_phi(adv, logp - old, mask, is_ratio, s)  # TRL sums the IS ratio over all T positions
         loss = -phi * adv * logp
         metrics["vespo/phi_seq_mean"] = obj.masked_mean(phi, mask)
     else:

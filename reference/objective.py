@@ -14,7 +14,6 @@ from . import world
 from .settings import Settings
 
 QUANTILE_LIMIT = 2**24  # torch.quantile refuses larger inputs
-CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 # ---------------------------------------------------------------- masks
@@ -119,7 +118,7 @@ def vespo_phi(advantages, log_ratio, mask, is_ratio, s: Settings) -> torch.Tenso
 
 # ---------------------------------------------------------------- normalization
 def normalize(per_token_loss, mask, s: Settings, num_items, num_processes, gas, spg) -> torch.Tensor:
-    """Reduce the per-token loss to the scalar each loss type defines (SEMANTICS.md, Normalization)."""
+    """Reduce the per-token loss to the scalar each loss type defines (docs/semantics.md, "Normalization")."""
     masked = per_token_loss * mask
     if s.loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / gas

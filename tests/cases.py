@@ -1,4 +1,5 @@
-"""Random micro-batches and the comparison of a fused result against the float64 reference."""
+"""Random micro-batches and the comparison of a fused result against the float64 reference (the calls are the
+audit's harness)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import math
 import torch
 
 import reference
+from audits.harness import leaves, run_fused, run_naive_bf16, run_reference
+
+__all__ = ["TILES", "assert_matches", "max_error", "leaves", "make_inputs", "run_fused", "run_naive_bf16", "run_reference"]
 
 # Small tiles so that T = 37 and V = 1021 exercise full tiles, tail tiles and a vocabulary tail.
-TILES = {"token_tile": 64, "tail_tile": 8, "vocab_tile": 256, "speed_tile": 64}
+TILES = {"token_tile": 64, "tail_tile": 8, "vocab_tile": 256, "speed_tile": 64, "sparse_tile": 16}
 
 
 def make_inputs(
@@ -29,8 +33,11 @@ def make_inputs(
     mask_rate=0.3,
     empty_row=True,
     logit_std=1.0,
+    zero_advantage_rows=0,
 ):
-    """A micro-batch with odd sizes (T, V not multiples of any tile), padded tails and one fully masked row."""
+    """A micro-batch with odd sizes (T, V not multiples of any tile), padded tails and one fully masked row;
+    `zero_advantage_rows` rows (the last ones) with advantage exactly 0, as a group whose rewards all tied
+    (with [B,T] advantages, also some tokens of the first row)."""
     g = torch.Generator().manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     x = {
@@ -44,6 +51,10 @@ def make_inputs(
     if empty_row and B > 2:
         x["completion_mask"][1] = 0
     x["completion_mask"][0, T // 2 :] = 0  # a padded tail
+    if zero_advantage_rows:
+        x["advantages"][B - zero_advantage_rows :] = 0.0
+        if adv_shape == "BT":  # and every third token of the first row
+            x["advantages"][0, ::3] = 0.0
     if bias:
         x["bias"] = (rn(V) * 0.5).to(dtype)
     with torch.no_grad():
@@ -61,37 +72,6 @@ def make_inputs(
         shape = {"BT": (B, T), "B1": (B, 1), "B": (B,)}[is_shape]
         x["importance_sampling_ratio"] = torch.rand(*shape, generator=g, dtype=torch.float64) * 1.5 + 0.1
     return x
-
-
-def leaves(x: dict) -> dict:
-    """A copy with fresh leaves for hidden, weight and bias."""
-    y = dict(x)
-    for k in ("hidden", "weight", "bias"):
-        if k in y:
-            y[k] = x[k].detach().clone().requires_grad_()
-    return y
-
-
-def run_reference(x: dict, settings: dict):
-    y = leaves(x)
-    y64 = {k: (v.double() if k in ("hidden", "weight", "bias") else v) for k, v in y.items()}
-    out = reference.grpo_loss(y64.pop("hidden"), y64.pop("weight"), y64.pop("completion_ids"),
-                              y64.pop("completion_mask"), y64.pop("advantages"), **y64, **settings)  # fmt: skip
-    out.loss.backward()
-    return out, grads(y)
-
-
-def run_fused(loss_fn, x: dict, **call):
-    y = leaves(x)
-    args = [y.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
-    out = loss_fn(*args, **y, **call)
-    out.loss.backward()
-    y.update(zip(("hidden", "weight"), args[:2], strict=True))
-    return out, grads(y)
-
-
-def grads(y: dict) -> dict:
-    return {k: y[k].grad for k in ("hidden", "weight", "bias") if k in y}
 
 
 def assert_matches(fused, fused_grads, ref, ref_grads, rtol, atol=None):
@@ -121,3 +101,7 @@ def assert_matches(fused, fused_grads, ref, ref_grads, rtol, atol=None):
     assert set(fused_grads) == set(ref_grads)
     for name, g in ref_grads.items():
         close(fused_grads[name], g, f"d {name}")
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())

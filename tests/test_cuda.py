@@ -1,12 +1,11 @@
-"""GPU correctness (runs where CUDA is available): compiled tiles, both schedules, bf16 and fp32 (TF32 off),
+"""GPU correctness (runs where CUDA is available): compiled tiles, every schedule, bf16 and fp32 (TF32 off),
 against the float64 reference at a few shapes. On a machine without a GPU these are reported as skipped."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cases import assert_matches, make_inputs, run_fused, run_reference
-from test_fused_bf16 import err, naive_bf16
+from cases import max_error, assert_matches, make_inputs, run_fused, run_naive_bf16, run_reference
 
 from compiled_grpo import FusedLinearGRPOLoss
 
@@ -36,6 +35,8 @@ def no_tf32():
         ({"loss_type": "dapo"}, "speed"),
         ({"loss_type": "dapo"}, "memory"),
         ({"loss_type": "grpo", "top_entropy_quantile": 0.2, "entropy_coef": 0.01}, "memory"),
+        ({"loss_type": "grpo", "top_entropy_quantile": 0.2, "entropy_coef": 0.01}, "sparse"),
+        ({"loss_type": "dapo", "top_entropy_quantile": 0.5}, "sparse"),
         ({"loss_type": "luspo", "importance_sampling_level": "sequence", "beta": 0.04}, "speed"),
     ],
 )
@@ -48,18 +49,19 @@ def test_fp32_matches_reference_on_gpu(shape, settings, schedule):
 
 
 @pytest.mark.parametrize("shape", BF16_SHAPES, ids=str)
-@pytest.mark.parametrize("schedule", ["speed", "memory"])
+@pytest.mark.parametrize("schedule", ["speed", "memory", "sparse"])
 def test_bf16_three_way_on_gpu(shape, schedule):
     B, T, H, V = shape
     x = on_cuda(make_inputs(seed=2, B=B, T=T, H=H, V=V, dtype=torch.bfloat16, off_policy=False, logit_std=3.0))
     settings = {"loss_type": "dapo", "entropy_coef": 0.01}
     ref, ref_grads = run_reference(x, settings)
-    naive, naive_grads = naive_bf16(x, settings)
+    naive, naive_grads = run_naive_bf16(x, settings)
     out, out_grads = run_fused(FusedLinearGRPOLoss(compiled=True, schedule=schedule, **settings), x)
-    assert err(out.loss, ref.loss) <= err(naive.loss, ref.loss) + 1e-3 * abs(float(ref.loss))
+    assert max_error(out.loss, ref.loss) <= max_error(naive.loss, ref.loss) + 1e-3 * abs(float(ref.loss))
     for name in ("hidden", "weight"):
         scale = float(ref_grads[name].abs().max())
-        assert err(out_grads[name], ref_grads[name]) <= err(naive_grads[name], ref_grads[name]) + 1e-3 * scale
+        bound = max_error(naive_grads[name], ref_grads[name]) + 1e-3 * scale
+        assert max_error(out_grads[name], ref_grads[name]) <= bound, name
 
 
 def test_speed_schedule_gradient_groups_on_gpu():

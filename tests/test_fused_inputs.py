@@ -8,7 +8,8 @@ import pytest
 import torch
 from cases import TILES, assert_matches, make_inputs, run_fused, run_reference
 
-from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, GRPOLossConfig, fused_linear_grpo_loss
+from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, GRPOLossConfig, fused_linear_grpo_loss, schedules
+from compiled_grpo.loss import CONSTRUCTOR_OPTIONS
 
 
 @pytest.mark.parametrize(
@@ -115,7 +116,7 @@ def test_validate_false_skips_host_checks():
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("schedule", ["memory", "speed"])
+@pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
 @pytest.mark.parametrize("edge", ["all masked", "one token", "zero advantages", "masked rows"])
 def test_edge_batches_match_reference(loss_type, schedule, edge):
     x = make_inputs(seed=5, dtype=torch.float64, B=4, T=9)
@@ -130,7 +131,7 @@ def test_edge_batches_match_reference(loss_type, schedule, edge):
     else:
         x["completion_mask"][1:3] = 0
     settings = {"loss_type": loss_type, "max_completion_length": 9, "entropy_coef": 0.02}
-    if schedule == "memory":
+    if schedule != "speed":
         settings["top_entropy_quantile"] = 0.5
     ref, ref_grads = run_reference(x, settings)
     out, out_grads = run_fused(FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **settings), x)
@@ -144,7 +145,7 @@ def test_edge_batches_match_reference(loss_type, schedule, edge):
 
 def test_frozen_lm_head_skips_its_gradient():
     x = make_inputs(dtype=torch.float32, bias=True)
-    for schedule in ("memory", "speed"):
+    for schedule in ("memory", "speed", "sparse"):
         h = x["hidden"].clone().requires_grad_()
         w, b = x["weight"].clone(), x["bias"].clone()
         loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES)
@@ -199,24 +200,74 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype():
     torch.testing.assert_close(w32.grad, w16.grad.float())
 
 
+# torch.distributed is not initialized here: a group object stands for a group of this process alone, so
+# nothing is communicated and the result is the single-process one.
+ONE_PROCESS_GROUP = object()
+
+
 @pytest.mark.parametrize(
-    "settings, budget, expected",
+    "settings, options, expected",
     [
-        ({}, 4 << 30, "speed"),  # the speed schedule's workspace fits the default budget
-        ({}, 1 << 10, "memory"),  # ... and not a 1 KiB one
-        ({"top_entropy_quantile": 0.5}, 4 << 30, "memory"),  # the threshold needs every entropy first
+        ({}, {}, "speed"),  # the speed schedule's workspace fits the default budget
+        ({}, {"logits_budget_bytes": 1 << 10}, "memory"),  # ... and not a 1 KiB one
+        ({"top_entropy_quantile": 0.5}, {}, "sparse"),  # the threshold needs every entropy first
+        ({"top_entropy_quantile": 0.5}, {"logits_budget_bytes": 1 << 10}, "memory"),
+        ({}, {"vocab_parallel_group": ONE_PROCESS_GROUP}, "memory"),
     ],
 )
-def test_auto_schedule_choice(settings, budget, expected, monkeypatch):
+def test_auto_schedule_choice(settings, options, expected, monkeypatch):
     ran = []
-    for name in ("speed", "memory"):
-        method = getattr(FusedLinearGRPOLoss, f"_{name}")
-        monkeypatch.setattr(
-            FusedLinearGRPOLoss, f"_{name}", lambda *a, m=method, n=name, **k: ran.append(n) or m(*a, **k)
-        )
+    for name in ("speed", "memory", "sparse"):
+        module = getattr(schedules, name)
+        monkeypatch.setattr(module, "run", lambda *a, f=module.run, n=name: ran.append(n) or f(*a))
     x = make_inputs(seed=8, dtype=torch.float64)
-    loss_fn = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=budget, **TILES, **settings)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, **options, **TILES, **settings)
     out, grads = run_fused(loss_fn, x)
     ref, ref_grads = run_reference(x, settings)
     assert ran == [expected]
+    assert_matches(out, grads, ref, ref_grads, rtol=1e-10)
+
+
+def test_misspelt_keywords_name_the_call_and_suggest():
+    x = make_inputs(dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"__call__\(\).*'old_per_token_logp'.*did you mean 'old_per_token_logps'"):
+        call(x, old_per_token_logp=x["old_per_token_logps"])
+    with pytest.raises(TypeError, match=r"FusedLinearGRPOLoss\(\).*did you mean 'top_entropy_quantile'"):
+        FusedLinearGRPOLoss(top_entropy_quantil=0.2)
+    with pytest.raises(TypeError, match=r"FusedLinearGRPOLoss\(\).*did you mean 'speed_tile'"):
+        FusedLinearGRPOLoss(speed_tiles=64)
+    with pytest.raises(TypeError, match=r"fused_linear_grpo_loss\(\).*did you mean 'num_items_in_batch'"):
+        fused_linear_grpo_loss(*(x[k] for k in ("hidden", "weight", "completion_ids", "completion_mask",
+                                                "advantages")), num_item_in_batch=3)  # fmt: skip
+
+
+OPTION_VALUES = {
+    "compiled": False,
+    "schedule": "memory",
+    "validate": False,
+    "token_tile": 16,
+    "tail_tile": 8,
+    "vocab_tile": 128,
+    "stats_rows": 16,
+    "speed_tile": 32,
+    "speed_group": 32,
+    "sparse_tile": 16,
+    "logits_budget_bytes": 1 << 20,
+    "process_group": ONE_PROCESS_GROUP,
+    "vocab_parallel_group": ONE_PROCESS_GROUP,
+}
+
+
+@pytest.mark.parametrize("option", CONSTRUCTOR_OPTIONS)
+def test_functional_form_takes_every_constructor_option(option, monkeypatch):
+    built = []
+    init = FusedLinearGRPOLoss.__init__
+    monkeypatch.setattr(FusedLinearGRPOLoss, "__init__", lambda self, **k: built.append(k) or init(self, **k))
+    x = make_inputs(seed=4, dtype=torch.float64)
+    settings = {"loss_type": "grpo", "beta": 0.04}
+    value = OPTION_VALUES[option]
+    options = {"compiled": False, **TILES, option: value}
+    out, grads = run_fused(lambda *a, **k: fused_linear_grpo_loss(*a, **k, **options, **settings), x, ref_per_token_logps=x["old_per_token_logps"])
+    assert built[0][option] is value
+    ref, ref_grads = run_reference({**x, "ref_per_token_logps": x["old_per_token_logps"]}, settings)
     assert_matches(out, grads, ref, ref_grads, rtol=1e-10)

@@ -41,7 +41,7 @@ def run_hand_case(**settings):
 
 
 def hand_expected(loss_type, eps=0.2):
-    """Per-token losses written out from SEMANTICS.md with the ratios of OLD_SHIFT, then normalized."""
+    """Per-token losses written out from docs/semantics.md with the ratios of OLD_SHIFT, then normalized."""
     logp, _ = numpy_logp_entropy()
     coef = np.exp(OLD_SHIFT)  # [[1.3499, 0.9048], [0.6703, 1]]
     adv = A[:, None]

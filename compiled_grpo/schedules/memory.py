@@ -74,7 +74,11 @@ def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head
     return function.apply(slots.x, head.weight, head.bias, setup)
 
 
-def run(engine: Engine, objective: Objective, head: Head, plan: TilePlan, function=StatisticsThenRecompute):
+def run(engine: Engine, objective: Objective, head: Head, plan: TilePlan):
+    return statistics_then_objective(StatisticsThenRecompute, engine, objective, head, plan)
+
+
+def statistics_then_objective(function, engine: Engine, objective: Objective, head: Head, plan: TilePlan):
     """The loss of the batch: statistics of every active token, the objective on [B,T] (the entropy threshold
     included), gradients by `function`'s backward."""
     inputs = objective.inputs

@@ -84,4 +84,4 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
 
 
 def run(engine: Engine, objective, head: Head, plan: TilePlan):
-    return memory.run(engine, objective, head, plan, function=StatisticsThenSparseGradients)
+    return memory.statistics_then_objective(StatisticsThenSparseGradients, engine, objective, head, plan)

@@ -1,0 +1,67 @@
+"""The comparison harness shared by the audit and the tests: fresh leaves, a call with backward, the float64
+reference on the same inputs, plain full-logits bf16 autograd (the three-way bound's baseline), and the error
+measure."""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+HEAD = ("hidden", "weight", "bias")
+POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
+
+
+def leaves(x: dict, dtype=None) -> dict:
+    """A copy of the inputs with fresh leaves for hidden, weight and bias (converted to `dtype` if given)."""
+    y = dict(x)
+    for k in HEAD:
+        if k in x:
+            t = x[k].detach()
+            y[k] = (t if dtype is None else t.to(dtype)).clone().requires_grad_()
+    return y
+
+
+def call(fn, x: dict, dtype=None, **extra):
+    """fn(hidden, weight, ids, mask, advantages, **rest, **extra) on fresh leaves, then loss.backward();
+    returns (output, gradients of the head tensors present)."""
+    y = leaves(x, dtype)
+    args = [y[k] for k in POSITIONAL]
+    out = fn(*args, **{k: v for k, v in y.items() if k not in POSITIONAL}, **extra)
+    out.loss.backward()
+    return out, {k: y[k].grad for k in HEAD if k in y}
+
+
+def run_fused(loss_fn, x: dict, **extra):
+    return call(loss_fn, x, **extra)
+
+
+def run_reference(x: dict, settings: dict, **extra):
+    """float64 on the inputs as given (already rounded to the tested dtype)."""
+    return call(lambda *a, **k: reference.grpo_loss(*a, **k, **settings), x, torch.float64, **extra)
+
+
+def run_naive_bf16(x: dict, settings: dict):
+    """Plain full-logits autograd in the inputs' dtype, the way a user would write it."""
+    y = leaves(x)
+    z = y["hidden"] @ y["weight"].T
+    if "bias" in y:
+        z = z + y["bias"]
+    log_p = torch.log_softmax(z, dim=-1)
+    logp = log_p.gather(-1, y["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    rest = {k: v for k, v in y.items() if k not in POSITIONAL and k not in HEAD}
+    out = reference.grpo_objective(logp.float(), entropy.float(), y["completion_mask"], y["advantages"], **rest,
+                                   **settings)  # fmt: skip
+    out.loss.backward()
+    return out, {k: y[k].grad for k in HEAD if k in y}
+
+
+def relative_error(a, b, floor: float) -> float:
+    """max |a - b| over max |b| (at least `floor`), NaN where both are NaN counted as equal."""
+    a, b = a.detach().double(), b.detach().double()
+    if b.numel() == 0:
+        return 0.0
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    diff = torch.where(both_nan, 0.0, (a - b).abs())
+    return float(diff.max() / max(float(b.abs().nan_to_num(0.0).max()), floor))
