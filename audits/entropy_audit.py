@@ -13,6 +13,7 @@ import torch
 from scipy import special, stats
 
 from compiled_grpo import streaming
+from compiled_grpo.head import Head
 
 from . import tolerances
 from .results import CellResult
@@ -41,11 +42,12 @@ def fused_statistics(logits: np.ndarray, temperature: float, targets: np.ndarray
     """The library's tile path: identity lm_head, so x @ W.T is the logits themselves."""
     V = logits.shape[1]
     x = torch.from_numpy(logits)
-    head = torch.tensor([1.0, 1.0 / temperature, 1.0])
+    values = torch.tensor([1.0, 1.0 / temperature, 1.0])
     if V <= 4099:
-        logp, entropy, lse = streaming.statistics_tile(x, torch.eye(V), None, torch.from_numpy(targets), head, False)
+        head = Head(torch.eye(V), None, values, softcap=False)
+        logp, entropy, lse = streaming.statistics_tile(x, torch.from_numpy(targets), head)
     else:  # an identity of this size would be 90 GB: fold the scaled logits directly (the same fold)
-        z = x * head[1]
+        z = x * values[1]
         logp, entropy, lse = streaming.fold_statistics(z, torch.from_numpy(targets))
     return logp.double().numpy(), entropy.double().numpy(), lse.double().numpy()
 

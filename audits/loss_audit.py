@@ -21,6 +21,8 @@ from .results import CellResult
 reference_threshold = reference.objective.entropy_threshold
 
 QUANTILES = (1.0, 0.8, 0.5, 0.2)
+GROUP_QUANTILES = (1.0, 0.5, 0.2)
+GROUP_SIZE = 2  # completions per prompt in the "groups" batches (B = 4 quick, 8 full)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -31,19 +33,23 @@ class LossCell:
     q: float
     dtype: str
     mode: str  # "eager" | "compiled"
-    schedule: str  # "memory" | "speed"
+    schedule: str  # "memory" | "speed" | "sparse"
+    batch: str = "random"  # "random" advantages, beta and a bonus | "groups": GRPO groups, half of them tied
 
     @property
     def name(self) -> str:
-        return f"{self.loss_type:7s} {self.level:8s} q={self.q:<3} {self.dtype:8s} {self.mode:8s} {self.schedule}"
+        name = f"{self.loss_type:7s} {self.level:8s} q={self.q:<3} {self.dtype:8s} {self.mode:8s} {self.schedule:6s}"
+        return name + (" groups" if self.batch == "groups" else "")
 
     def settings(self, T: int) -> dict:
+        # groups: beta 0 and no bonus, where zero-advantage and masked-out tokens have no gradient at all
+        groups = self.batch == "groups"
         s = {
             "loss_type": self.loss_type,
             "importance_sampling_level": self.level,
             "top_entropy_quantile": self.q,
-            "beta": 0.04,
-            "entropy_coef": 0.01,
+            "beta": 0.0 if groups else 0.04,
+            "entropy_coef": 0.0 if groups else 0.01,
             "max_completion_length": T,
         }
         if self.loss_type == "cispo":
@@ -51,13 +57,22 @@ class LossCell:
         return s
 
 
+def schedules(q: float) -> tuple[str, ...]:
+    return ("memory", "speed", "sparse") if q == 1.0 else ("memory", "sparse")
+
+
 def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "compiled")) -> list[LossCell]:
+    """Every loss type x level x q x dtype x mode x valid schedule on random batches; and on GRPO groups (half
+    of them at advantage 0), q in (1, 0.5, 0.2), the schedules that skip work (speed, sparse), eager."""
     out = []
     for loss_type, level, q, dtype, mode in itertools.product(
         loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
     ):
-        for schedule in ("memory", "speed") if q == 1.0 else ("memory",):
-            out.append(LossCell(loss_type, level, q, dtype, mode, schedule))
+        out += [LossCell(loss_type, level, q, dtype, mode, schedule) for schedule in schedules(q)]
+    if "eager" in modes:
+        for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, dtypes):
+            skipping = tuple(s for s in schedules(q) if s != "memory")
+            out += [LossCell(loss_type, level, q, dtype, "eager", schedule, "groups") for schedule in skipping]
     return out
 
 
@@ -73,8 +88,19 @@ QUICK = Size(B=4, T=37, H=32, V=1021)
 FULL = Size(B=8, T=129, H=64, V=4099)
 
 
-def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
-    """A micro-batch with padded tails, a fully masked row, off-policy old log-probs and a reference model."""
+def group_advantages(B: int) -> torch.Tensor:
+    """GRPO's advantages of B completions in groups of GROUP_SIZE with 0/1 rewards: every other group's rewards
+    all tie (advantage exactly 0, TRL's frac_reward_zero_std), the others differ (normalized by their std)."""
+    rewards = torch.zeros(B // GROUP_SIZE, GROUP_SIZE, dtype=torch.float64)
+    rewards[::2] = 1.0
+    rewards[1::2, 0] = 1.0
+    centered = rewards - rewards.mean(-1, keepdim=True)
+    return (centered / (rewards.std(-1, keepdim=True) + 1e-4)).reshape(B)
+
+
+def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0, groups: bool = False) -> dict:
+    """A micro-batch with padded tails, a fully masked row, off-policy old log-probs and a reference model;
+    with `groups`, GRPO group advantages (half the groups at 0) instead of random ones."""
     g = torch.Generator().manual_seed(seed)
     B, T, H, V = size.B, size.T, size.H, size.V
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
@@ -88,7 +114,7 @@ def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0) -> di
         "bias": (rn(V) * 0.3).to(dtype),
         "completion_ids": torch.randint(0, V, (B, T), generator=g),
         "completion_mask": mask,
-        "advantages": rn(B),
+        "advantages": group_advantages(B) if groups else rn(B),
     }
     with torch.no_grad():
         logp = reference.grpo_loss(x["hidden"], x["weight"], x["completion_ids"], mask, x["advantages"],
@@ -154,11 +180,12 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
 
 
 def run(cells: list[LossCell], size: Size, device: str, seeds=(0,), advance=lambda: None) -> list[CellResult]:
-    batches = {(d, s): make_batch(size, DTYPES[d], device, seed=s) for d in {c.dtype for c in cells} for s in seeds}
+    kinds = {(c.dtype, c.batch) for c in cells}
+    batches = {(d, b, s): make_batch(size, DTYPES[d], device, s, b == "groups") for d, b in kinds for s in seeds}
     results = []
     for seed in seeds:
         for cell in cells:
-            r = audit_cell(cell, batches[(cell.dtype, seed)], size, device)
+            r = audit_cell(cell, batches[(cell.dtype, cell.batch, seed)], size, device)
             if len(seeds) > 1:
                 r.name += f" seed={seed}"
             results.append(r)

@@ -4,6 +4,8 @@ device without Triton) followed by the same loss.
 
 Shape: fp32, B=4, T=256, H=512, V=32000, positions 200+ of every row padded (800 active tokens),
 dapo, forward + backward. Medians over --repeats runs after warm-up, every method in this process.
+Scenarios where part of the batch has no gradient, against the dense speed schedule of the same run:
+top_entropy_quantile 0.2, half the sequences at advantage 0, and both.
 
     python -m benchmarks.cpu [--repeats 10] [--out docs/benchmarks/cpu.md]
 """
@@ -18,7 +20,15 @@ import time
 
 import torch
 
+from benchmarks.rows import gradient_rows
 from compiled_grpo import FusedLinearGRPOLoss
+
+# (settings, rows at advantage 0) of the scenarios run beside the dense batch
+SCENARIOS = {
+    "q=0.2": ({"top_entropy_quantile": 0.2}, 0),
+    "half the sequences at advantage 0": ({}, 2),
+    "q=0.2, half at advantage 0": ({"top_entropy_quantile": 0.2}, 2),
+}
 
 
 def make_batch(B=4, T=256, H=512, V=32000, active=200, seed=0):
@@ -82,6 +92,25 @@ def fused(loss_fn):
     return run
 
 
+def scenario_rows(batch, repeats: int, dense_speed: float) -> list[str]:
+    """Markdown rows: each scenario with every valid compiled schedule and auto, against the dense speed time."""
+    lines = []
+    for scenario, (settings, zero_rows) in SCENARIOS.items():
+        hidden, weight, ids, mask, adv = batch
+        adv = adv.clone()
+        adv[adv.numel() - zero_rows :] = 0.0
+        for schedule in ("speed", "sparse", "memory", "auto"):
+            if schedule == "speed" and settings:
+                continue
+            fn = fused(FusedLinearGRPOLoss(compiled=True, schedule=schedule, loss_type="dapo", **settings))
+            t = median_seconds(fn, (hidden, weight, ids, mask, adv), repeats)
+            with gradient_rows() as counts:
+                fn(hidden, weight, ids, mask, adv)
+            print(f"{scenario:40s} {schedule:7s} {t * 1e3:8.1f} ms, {sum(counts)} gradient rows", flush=True)
+            lines.append(f"| {scenario} | {schedule} | {t * 1e3:.1f} | {t / dense_speed:.2f} | {sum(counts)} |")
+    return lines
+
+
 def median_seconds(fn, batch, repeats, warmup=2):
     for _ in range(warmup):
         fn(*batch)
@@ -132,6 +161,17 @@ def main(argv=None):
     versions = f"TRL {md.version('trl')}" if trl else "TRL not installed"
     if trl:
         lines += [f"compiled speed schedule is {trl / comp:.2f}x faster than TRL's CPU path ({versions})."]
+    lines += [
+        "",
+        "## Batches where part of the tokens have no gradient",
+        "",
+        "Compiled; `/ dense speed` against the compiled speed schedule on the dense batch above (all 800 tokens "
+        "with a gradient); `gradient rows`: the tokens that went through the gradient pass.",
+        "",
+        "| scenario | schedule | time (ms) | / dense speed | gradient rows |",
+        "|---|---|---|---|---|",
+        *scenario_rows(batch, args.repeats, comp),
+    ]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-1:]))

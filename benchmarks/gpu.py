@@ -2,12 +2,16 @@
 
 Methods: the three lm_head GEMMs over the active tokens alone (the floor); full logits with autograd; TRL
 1.16.0's fused LM head (`ChunkedLogProbFunction`, with TRL's compaction of padded positions) followed by the same
-loss; Liger 0.8.5's `LigerFusedLinearGRPOLoss`; and this library's speed and memory schedules, eager and
-compiled. Median of CUDA-event times after warm-up; peak memory above what was allocated before the call
-(inputs, weights). A baseline that is not installed, or a method that cannot run a shape, is reported as such.
+loss; Liger 0.8.5's `LigerFusedLinearGRPOLoss`; and this library's speed, memory and sparse schedules, eager
+and compiled, and what "auto" picks. Median of CUDA-event times after warm-up; peak memory above what was
+allocated before the call (inputs, weights); the rows that went through the gradient pass. A baseline that is
+not installed, or a method that cannot run a shape, is reported as such.
 
-    python -m benchmarks.gpu [--shapes S1,S2,S3,S1-q0.2,S1-ref] [--repeats 10] [--out docs/benchmarks]
-        [--methods "TRL;speed, compiled"] [--variants "memory:vocab_tile=16384;speed:speed_tile=1024"]
+Scenarios beside the dense shapes: `-half0`, half the sequences at advantage 0 (every other group of 4
+completions tied, as GRPO batches with frac_reward_zero_std = 0.5); `-q0.2`, top_entropy_quantile = 0.2.
+
+    python -m benchmarks.gpu [--shapes S1,S2,S3,S1-q0.2,S1-ref,S1-half0,S1-q0.2-half0,...] [--repeats 10]
+        [--out docs/benchmarks] [--methods "TRL;speed, compiled"] [--variants "sparse:sparse_tile=1024"]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 import reference
+from benchmarks.rows import gradient_rows
 from compiled_grpo import FusedLinearGRPOLoss
 
 H, V = 4096, 151936
@@ -35,14 +40,20 @@ class Shape:
     ragged: bool = False  # completion lengths uniform in [1, T]
     q: float = 1.0
     beta: float = 0.0  # with ref_hidden / ref_weight
+    zero_advantage: bool = False  # half the sequences at advantage 0 (every other group of GROUP completions)
 
 
+GROUP = 4
 SHAPES = {
     "S1": Shape("S1", 8, 1024),
     "S2": Shape("S2", 16, 1024, ragged=True),
     "S3": Shape("S3", 4, 8192),
     "S1-q0.2": Shape("S1-q0.2", 8, 1024, q=0.2),
     "S1-ref": Shape("S1-ref", 8, 1024, beta=0.04),
+    "S1-q0.5": Shape("S1-q0.5", 8, 1024, q=0.5),
+    "S1-half0": Shape("S1-half0", 8, 1024, zero_advantage=True),
+    "S1-q0.2-half0": Shape("S1-q0.2-half0", 8, 1024, q=0.2, zero_advantage=True),
+    "S3-q0.2": Shape("S3-q0.2", 4, 8192, q=0.2),
 }
 
 
@@ -55,6 +66,9 @@ def make_inputs(shape: Shape, seed=0):
         "ids": torch.randint(0, V, (shape.B, shape.T), device=dev, generator=g),
         "advantages": torch.randn(shape.B, device=dev, generator=g),
     }
+    if shape.zero_advantage:  # groups 0, 2, ... tied
+        tied = (torch.arange(shape.B, device=dev) // GROUP) % 2 == 0
+        x["advantages"] = torch.where(tied, 0.0, x["advantages"])
     if shape.ragged:
         lengths = torch.randint(1, shape.T + 1, (shape.B, 1), device=dev, generator=g)
         x["mask"] = (torch.arange(shape.T, device=dev) < lengths).long()
@@ -178,6 +192,8 @@ METHODS = {
     "compiled_grpo speed, compiled": ours("speed", True),
     "compiled_grpo memory, eager": ours("memory", False),
     "compiled_grpo memory, compiled": ours("memory", True),
+    "compiled_grpo sparse, compiled": ours("sparse", True),
+    "compiled_grpo auto, compiled": ours("auto", True),
 }
 
 
@@ -225,6 +241,11 @@ def run_shape(shape: Shape, repeats: int) -> list[dict]:
             else:
                 row["ms"], row["peak_gib"] = measure(run, x, repeats)
                 row["status"] = "ok"
+                if name.startswith("compiled_grpo"):
+                    with gradient_rows() as counts:
+                        run()
+                    row["gradient_rows"] = sum(counts)
+                    x["weight"].grad = None
         except torch.OutOfMemoryError:
             row["status"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - report, never drop silently
@@ -253,18 +274,25 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         "1.16.0's fused head + the same loss, both measured in the same run.",
         "",
         "Shapes: S1 B=8 T=1024 (all active); S2 B=16 T=1024, lengths uniform in [1, 1024]; S3 B=4 T=8192; "
-        "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight.",
+        "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight; -half0: "
+        "every other group of 4 sequences at advantage 0. `gradient rows`: the tokens that went through the "
+        "gradient pass (the baselines: every active token).",
         "",
     ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         lines += [f"## {shape} ({next(r['tokens'] for r in rows if r['shape'] == shape)} active tokens)", ""]
-        lines += ["| method | time (ms) | / floor | / TRL | peak memory (GiB) |", "|---|---|---|---|---|"]
+        lines += [
+            "| method | time (ms) | / floor | / TRL | peak memory (GiB) | gradient rows |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in (r for r in rows if r["shape"] == shape):
             if "ms" in r:
                 trl = f"{r['x_trl']:.2f}" if r.get("x_trl") else "-"
-                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {r['peak_gib']:.2f} |")
+                grows = r.get("gradient_rows", "-")
+                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {r['peak_gib']:.2f} | "
+                             f"{grows} |")  # fmt: skip
             else:
-                lines.append(f"| {r['method']} | {r['status']} | | | |")
+                lines.append(f"| {r['method']} | {r['status']} | | | | |")
         lines.append("")
     lines += ["![time and memory against tokens](gpu.png)", ""]
     (out / "gpu.md").write_text("\n".join(lines))

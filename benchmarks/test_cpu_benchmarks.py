@@ -14,7 +14,9 @@ from benchmarks.cpu import fused, gemm_floor, make_batch
 from compiled_grpo import FusedLinearGRPOLoss
 
 SHAPES = {
-    "design": dict(B=4, T=256, H=512, V=32000, active=200),  # the CPU benchmark's shape (docs/benchmarks/cpu.md), 800 active tokens
+    "design": dict(
+        B=4, T=256, H=512, V=32000, active=200
+    ),  # the CPU benchmark's shape (docs/benchmarks/cpu.md), 800 active tokens
     "small": dict(B=4, T=128, H=256, V=8000, active=100),
 }
 

@@ -165,8 +165,11 @@ class FusedLinearGRPOLoss:
     def _checked(self, inputs: LossInputs) -> LossInputs:
         """Shapes and dtypes always, values unless validate=False; DTensor weights gathered."""
         validation.check_shapes(inputs)
-        if self.config.beta != 0.0 and inputs.ref_per_token_logps is None and inputs.ref_hidden is None and (
-            inputs.ref_weight is None
+        if (
+            self.config.beta != 0.0
+            and inputs.ref_per_token_logps is None
+            and inputs.ref_hidden is None
+            and (inputs.ref_weight is None)
         ):
             raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
         inputs = inputs.cast_head(distributed.full_tensor)

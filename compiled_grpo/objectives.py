@@ -207,8 +207,6 @@ def bonus_of_rows(entropy, mask, entropy_mask, n: Normalizers) -> torch.Tensor:
     return (entropy * e).sum() / n.bonus_tokens / n.gas
 
 
-
-
 # ---------------------------------------------------------------- metrics
 def _is_per_sequence(x, mask) -> bool:
     # TRL tests x.shape[1] == 1 alone; with T = 1 that would average masked rows too, so T = 1 is masked here.

@@ -10,7 +10,16 @@ import torch
 import reference
 from audits.harness import leaves, run_fused, run_naive_bf16, run_reference
 
-__all__ = ["TILES", "assert_matches", "max_error", "leaves", "make_inputs", "run_fused", "run_naive_bf16", "run_reference"]
+__all__ = [
+    "TILES",
+    "assert_matches",
+    "max_error",
+    "leaves",
+    "make_inputs",
+    "run_fused",
+    "run_naive_bf16",
+    "run_reference",
+]
 
 # Small tiles so that T = 37 and V = 1021 exercise full tiles, tail tiles and a vocabulary tail.
 TILES = {"token_tile": 64, "tail_tile": 8, "vocab_tile": 256, "speed_tile": 64, "sparse_tile": 16}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import max_error, assert_matches, make_inputs, run_fused, run_naive_bf16, run_reference
+from cases import assert_matches, make_inputs, max_error, run_fused, run_naive_bf16, run_reference
 
 from compiled_grpo import FusedLinearGRPOLoss
 

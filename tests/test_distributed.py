@@ -11,7 +11,7 @@ of the lm_head match the unsharded loss. An FSDP2-style DTensor weight matches a
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -26,18 +26,16 @@ B_PER_RANK, T, H, V = 3, 9, 8, 37
 TILES = {"token_tile": 16, "tail_tile": 4, "vocab_tile": 16, "speed_tile": 16}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(worker, world: int, *args):
-    mp.spawn(_entry, args=(world, free_port(), worker, args), nprocs=world, join=True)
+    # The ranks meet through a fresh file rather than a TCP port: a port found free can be taken by another
+    # test running beside this one before the ranks bind it.
+    with tempfile.TemporaryDirectory() as folder:
+        rendezvous = f"file://{os.path.join(folder, 'rendezvous')}"
+        mp.spawn(_entry, args=(world, rendezvous, worker, args), nprocs=world, join=True)
 
 
-def _entry(rank, world, port, worker, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world, rendezvous, worker, args):
+    os.environ["GRPO_TEST_RENDEZVOUS"] = rendezvous
     torch.set_num_threads(1)
     worker(rank, world, *args)
 
@@ -54,7 +52,8 @@ def device() -> str:
 def init(rank, world):
     if backend() == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend(), rank=rank, world_size=world)
+    rendezvous = os.environ["GRPO_TEST_RENDEZVOUS"]
+    dist.init_process_group(backend(), init_method=rendezvous, rank=rank, world_size=world)
 
 
 def on_device(x: dict) -> dict:

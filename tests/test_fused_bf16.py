@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import max_error, TILES, make_inputs, run_fused, run_naive_bf16, run_reference
+from cases import TILES, make_inputs, max_error, run_fused, run_naive_bf16, run_reference
 
 from compiled_grpo import FusedLinearGRPOLoss
 
@@ -32,4 +32,6 @@ def test_bf16_no_worse_than_naive_bf16(loss_type, schedule, H):
     assert max_error(out.entropy, ref.entropy) <= max_error(naive.entropy * x["completion_mask"], ref.entropy) + tol
     for name in ("hidden", "weight"):
         scale = float(ref_grads[name].abs().max())
-        assert max_error(out_grads[name], ref_grads[name]) <= max_error(naive_grads[name], ref_grads[name]) + tol * scale, name
+        assert (
+            max_error(out_grads[name], ref_grads[name]) <= max_error(naive_grads[name], ref_grads[name]) + tol * scale
+        ), name

@@ -19,6 +19,7 @@ TILES = {
     "tail_tile": 64,
     "vocab_tile": 256,
     "speed_tile": 64,
+    "sparse_tile": 64,
 }  # one token shape; V = 1021 adds a vocab tail
 
 
@@ -33,6 +34,8 @@ def graphs_compiled() -> int:
         ({"loss_type": "grpo", "beta": 0.04}, "speed", {"ref": True, "bias": True}),
         ({"loss_type": "vespo", "importance_sampling_level": "token"}, "speed", {"is_shape": "BT"}),
         ({"loss_type": "sapo", "temperature": 0.7, "final_logit_softcapping": 3.0}, "memory", {}),
+        ({"loss_type": "grpo", "top_entropy_quantile": 0.2}, "sparse", {"bias": True, "zero_advantage_rows": 1}),
+        ({"loss_type": "dapo"}, "speed", {"zero_advantage_rows": 1}),
     ],
 )
 def test_compiled_matches_reference(settings, schedule, inputs):
@@ -43,8 +46,8 @@ def test_compiled_matches_reference(settings, schedule, inputs):
 
 
 def test_no_recompile_across_batch_shapes_and_settings():
-    """After a warm-up call per schedule, new batch sizes, sequence lengths, loss types, temperatures and
-    per-call entropy coefficients reuse the compiled tiles."""
+    """After a warm-up call per schedule, new batch sizes, sequence lengths, loss types, temperatures, per-call
+    entropy coefficients and numbers of rows with a gradient reuse the compiled tiles."""
     torch._dynamo.reset()
     counters.clear()
 
@@ -55,9 +58,11 @@ def test_no_recompile_across_batch_shapes_and_settings():
 
     run("memory", 3, 37, 1, loss_type="dapo", top_entropy_quantile=0.5)
     run("speed", 3, 37, 1, loss_type="grpo")
+    run("sparse", 3, 37, 1, loss_type="grpo", top_entropy_quantile=0.5)
     warm = graphs_compiled()
     assert warm > 0
     run("memory", 5, 61, 2, loss_type="grpo", top_entropy_quantile=0.2, temperature=0.5)
+    run("sparse", 6, 50, 6, loss_type="dapo", top_entropy_quantile=0.2, temperature=0.9)
     run("memory", 2, 200, 3, loss_type="cispo", epsilon_high=4.0)
     run("speed", 7, 11, 4, loss_type="bnpo", temperature=1.3)
     run("speed", 4, 90, 5, loss_type="sapo")

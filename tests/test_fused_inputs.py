@@ -267,7 +267,11 @@ def test_functional_form_takes_every_constructor_option(option, monkeypatch):
     settings = {"loss_type": "grpo", "beta": 0.04}
     value = OPTION_VALUES[option]
     options = {"compiled": False, **TILES, option: value}
-    out, grads = run_fused(lambda *a, **k: fused_linear_grpo_loss(*a, **k, **options, **settings), x, ref_per_token_logps=x["old_per_token_logps"])
+    out, grads = run_fused(
+        lambda *a, **k: fused_linear_grpo_loss(*a, **k, **options, **settings),
+        x,
+        ref_per_token_logps=x["old_per_token_logps"],
+    )
     assert built[0][option] is value
     ref, ref_grads = run_reference({**x, "ref_per_token_logps": x["old_per_token_logps"]}, settings)
     assert_matches(out, grads, ref, ref_grads, rtol=1e-10)

@@ -14,6 +14,8 @@ from compiled_grpo.schedules import sparse, speed
 
 warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
 
+TIED = {"zero_advantage_rows": 2, "B": 5}  # the last two of five rows at advantage 0
+
 # Each option against every loss type: (name, settings, input options).
 OPTIONS = [
     ("defaults", {}, {}),
@@ -36,16 +38,15 @@ OPTIONS = [
     ("softcap and scale", {"final_logit_softcapping": 2.0, "logit_scale": 1.7}, {}),
     ("delta", {"delta": 1.1, "epsilon_high": 0.28}, {}),
     ("on-policy", {}, {"off_policy": False}),
-    ("zero-advantage rows", {}, {"zero_advantage_rows": 2, "B": 5}),
-    ("zero-advantage rows q=0.5", {"top_entropy_quantile": 0.5}, {"zero_advantage_rows": 2, "B": 5}),
-    ("zero-advantage rows q=0.2 beta", {"top_entropy_quantile": 0.2, "beta": 0.04}, {"zero_advantage_rows": 2, "B": 5, "ref": True}),
-    ("zero-advantage rows q=0.2 bonus", {"top_entropy_quantile": 0.2, "entropy_coef": 0.05}, {"zero_advantage_rows": 2, "B": 5}),
-    ("zero-advantage rows beta", {"beta": 0.04}, {"zero_advantage_rows": 2, "B": 5, "ref": True}),
-    ("zero-advantage rows bonus", {"entropy_coef": 0.05}, {"zero_advantage_rows": 2, "B": 5}),
-    ("zero-advantage tokens", {}, {"zero_advantage_rows": 2, "B": 5, "adv_shape": "BT"}),
-    ("zero-advantage tokens sequence IS", {"importance_sampling_level": "sequence"},
-     {"zero_advantage_rows": 2, "B": 5, "adv_shape": "BT"}),
-    ("zero-advantage rows OPSM", {"off_policy_mask_threshold": 0.01}, {"zero_advantage_rows": 2, "B": 5}),
+    ("zero-advantage rows", {}, TIED),
+    ("zero-advantage rows q=0.5", {"top_entropy_quantile": 0.5}, TIED),
+    ("zero-advantage rows q=0.2 beta", {"top_entropy_quantile": 0.2, "beta": 0.04}, {**TIED, "ref": True}),
+    ("zero-advantage rows q=0.2 bonus", {"top_entropy_quantile": 0.2, "entropy_coef": 0.05}, TIED),
+    ("zero-advantage rows beta", {"beta": 0.04}, {**TIED, "ref": True}),
+    ("zero-advantage rows bonus", {"entropy_coef": 0.05}, TIED),
+    ("zero-advantage tokens", {}, {**TIED, "adv_shape": "BT"}),
+    ("zero-advantage tokens sequence IS", {"importance_sampling_level": "sequence"}, {**TIED, "adv_shape": "BT"}),
+    ("zero-advantage rows OPSM", {"off_policy_mask_threshold": 0.01}, TIED),
 ]
 
 
@@ -142,8 +143,9 @@ def test_sparse_pass_runs_only_over_rows_with_a_gradient(q, dtype, monkeypatch):
     gradient pass, and every other token's hidden-state gradient is exactly 0. bf16 with H = 64 takes the
     token-outer pass (rows <= 2H), H = 16 in float64 the token-outer pass with a float sum."""
     counted = rows_through_gradient_pass(monkeypatch)
-    x = make_inputs(seed=6, B=6, dtype=dtype, H=64 if dtype == torch.bfloat16 else 16, zero_advantage_rows=3,
-                    off_policy=False)  # on-policy: no token sits in a clipped branch
+    x = make_inputs(
+        seed=6, B=6, dtype=dtype, H=64 if dtype == torch.bfloat16 else 16, zero_advantage_rows=3, off_policy=False
+    )  # on-policy: no token sits in a clipped branch
     settings = settings_for("dapo", {"top_entropy_quantile": q})
     out, out_grads = run_fused(FusedLinearGRPOLoss(compiled=False, schedule="sparse", **TILES, **settings), x)
     trained = out.entropy_mask & (x["advantages"] != 0).unsqueeze(1)

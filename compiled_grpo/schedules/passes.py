@@ -130,7 +130,9 @@ class TokenOuterGradients:
         self.rows = torch.empty(rows, head.weight.shape[0], dtype=x.dtype, device=x.device)
         # not zeroed: the first group's GEMM writes it with beta = 0 (a fill is a pass over [V, H])
         accumulates = wanted.weight and not self.buffered
-        self.sum = torch.empty(head.weight.shape, dtype=streaming.stat_dtype(x), device=x.device) if accumulates else None
+        self.sum = (
+            torch.empty(head.weight.shape, dtype=streaming.stat_dtype(x), device=x.device) if accumulates else None
+        )
         self.dx = torch.empty_like(x)
         self.db = accumulator(x, head.weight.shape[:1]) if wanted.bias else None
         self.start, self.used, self.added = 0, 0, False

@@ -1,0 +1,34 @@
+"""How many rows a call sends through the lm_head gradient pass (logits recomputed or kept, dX, dW), read by
+watching the schedules: the speed schedule's gradient plan, the sparse schedule's selected rows, the memory
+schedule's every active token."""
+
+from __future__ import annotations
+
+import contextlib
+
+from compiled_grpo.schedules import memory, sparse, speed
+
+
+@contextlib.contextmanager
+def gradient_rows():
+    """Yields a list that gets one count per schedule call made inside the block."""
+    counts = []
+    originals = speed.run, memory.run, sparse.gradients_of_rows
+
+    def speed_run(engine, objective, head, plan):
+        counts.append(plan.gradient.active.numel())
+        return originals[0](engine, objective, head, plan)
+
+    def memory_run(engine, objective, head, plan):
+        counts.append(plan.active.numel())
+        return originals[1](engine, objective, head, plan)
+
+    def sparse_rows(engine, x, head, selected, *rest):
+        counts.append(selected.numel())
+        return originals[2](engine, x, head, selected, *rest)
+
+    speed.run, memory.run, sparse.gradients_of_rows = speed_run, memory_run, sparse_rows
+    try:
+        yield counts
+    finally:
+        speed.run, memory.run, sparse.gradients_of_rows = originals
