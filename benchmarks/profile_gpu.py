@@ -1,4 +1,5 @@
-"""Where the time goes: torch.profiler's CUDA kernel table for this library's compiled schedules on S1, and
+"""Where the time goes: torch.profiler's CUDA kernel table for this library's compiled schedules on a shape
+of benchmarks.gpu (its loss settings included), and
 the GPU's idle gaps between kernels (time the GPU waits on the host), largest first.
 
 python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
@@ -11,7 +12,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gpu import SHAPES, make_inputs
+from benchmarks.gpu import SHAPES, loss_settings, make_inputs
 from compiled_grpo import FusedLinearGRPOLoss
 
 
@@ -21,8 +22,9 @@ def main(argv=None):
     ap.add_argument("--shape", default="S1")
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args(argv)
-    x = make_inputs(SHAPES[args.shape])
-    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=args.schedule, validate=False)
+    shape = SHAPES[args.shape]
+    x = make_inputs(shape)
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=args.schedule, validate=False, **loss_settings(shape))
 
     def run():
         h = x["hidden"].detach().requires_grad_()

@@ -85,6 +85,19 @@ def active_positions(mask: torch.Tensor) -> torch.Tensor:
     return mask.reshape(-1).nonzero().squeeze(1)
 
 
+def positions_and_lengths(masks, rows=None):
+    """The flat positions of each mask's non-zero entries, and the per-row counts of `rows` ([B, T]) when
+    given, after one wait on the GPU: every count is read back at once, then each mask's positions are found
+    at a size now known (`nonzero_static`), which needs no further wait."""
+    flat = [m.reshape(-1) for m in masks]
+    counts = torch.stack([f.count_nonzero() for f in flat])
+    if rows is not None:
+        counts = torch.cat([counts, rows.count_nonzero(-1)])
+    counts = counts.tolist()
+    found = [torch.nonzero_static(f, size=c).squeeze(1) for f, c in zip(flat, counts, strict=False)]
+    return found, (counts[len(flat) :] if rows is not None else None)
+
+
 def plan_tokens(active: torch.Tensor, numel: int, tile: int, tail: int) -> TilePlan:
     """Tiles over the `active` positions (of `numel`) in order, regardless of rows (token-separable objectives,
     stats passes, the rows of a gradient pass)."""
@@ -95,23 +108,22 @@ def plan_tokens(active: torch.Tensor, numel: int, tile: int, tail: int) -> TileP
     return _make_plan(active, slot_of_active, slots, tuple(tiles), identity=n == numel == slots)
 
 
-def plan_whole_rows(mask: torch.Tensor, tile: int) -> TilePlan | None:
-    """Tiles of `tile` slots that each hold whole rows (for objectives coupling the tokens of a row);
-    None when a row has more active tokens than a tile."""
-    lengths = mask.sum(-1).tolist()
+def plan_whole_rows(active: torch.Tensor, lengths: list[int], numel: int, tile: int) -> TilePlan | None:
+    """Tiles of `tile` slots that each hold whole rows (for objectives coupling the tokens of a row), from the
+    `active` flat positions and the rows' `lengths` (active tokens per row, in order); None when a row has more
+    active tokens than a tile."""
     if max(lengths, default=0) > tile:
         return None
-    active = active_positions(mask)
     offsets, used, tiles_count = [], 0, 1 if lengths else 0
     for length in lengths:
         if used + length > tile:
             tiles_count, used = tiles_count + 1, 0
         offsets.extend(range((tiles_count - 1) * tile + used, (tiles_count - 1) * tile + used + int(length)))
         used += int(length)
-    slot_of_active = torch.tensor(offsets, dtype=torch.long, device=mask.device)
+    slot_of_active = torch.tensor(offsets, dtype=torch.long, device=active.device)
     tiles = tuple((i * tile, tile) for i in range(tiles_count if active.numel() else 0))
     slots = tiles_count * tile if tiles else 0
-    identity = len(offsets) == mask.numel() == slots and offsets == list(range(slots))
+    identity = len(offsets) == numel == slots and offsets == list(range(slots))
     return _make_plan(active, slot_of_active, slots, tiles, identity)
 
 

@@ -41,11 +41,14 @@ class SpeedPlan:
 
 
 def plan(engine: Engine, objective: Objective, head: Head, speed_tile_set: bool) -> SpeedPlan | None:
-    """The tile plan, or None when a row that must stay whole has more active tokens than a tile."""
+    """The tile plan, or None when a row that must stay whole has more active tokens than a tile. One wait on
+    the GPU (every count the plan needs is read back at once)."""
     mask = objective.inputs.completion_mask
     zero = objective.zero_gradient_tokens()
     gradient_mask = mask if zero is None else mask.bool() & ~zero
-    active = tiling.active_positions(gradient_mask)  # the one wait on the GPU of planning
+    whole_rows = objective.cfg.couples_sequence
+    masks = (gradient_mask,) if zero is None else (gradient_mask, zero)
+    (active, *zero_positions), lengths = tiling.positions_and_lengths(masks, gradient_mask if whole_rows else None)
     t = engine.tiles
     buffered = passes.buffers_weight_gradient(head.weight.dtype, active.numel(), head.weight.shape[1])
     tile = t.speed_tile
@@ -53,13 +56,15 @@ def plan(engine: Engine, objective: Objective, head: Head, speed_tile_set: bool)
         # Half the logits tile buys a 4096-token group in the same memory (4 * 1024 + 2 * 4096 bytes per
         # vocabulary entry, as 6 * 2048), halving the passes over the float32 dW sum.
         tile = ACCUMULATING_SPEED_TILE
-    if objective.cfg.couples_sequence:
-        gradient = tiling.plan_whole_rows(gradient_mask, tile)
+    if whole_rows:
+        gradient = tiling.plan_whole_rows(active, lengths, mask.numel(), tile)
         if gradient is None:
             return None
     else:
         gradient = tiling.plan_tokens(active, mask.numel(), tile, t.tail_tile)
-    statistics_only = None if zero is None else tiling.plan_mask(zero, t.stats_rows, t.tail_tile)
+    statistics_only = None
+    if zero_positions:
+        statistics_only = tiling.plan_tokens(zero_positions[0], mask.numel(), t.stats_rows, t.tail_tile)
     return SpeedPlan(gradient, statistics_only, buffered)
 
 
