@@ -7,7 +7,7 @@ It equals, in plain torch (with logits materialized, which this never does):
     loss = <TRL 1.16.0 GRPOTrainer._compute_loss>(logp, entropy, completion_mask, advantages, ...)
 
 and returns TRL's metrics, the per-token logp and entropy, and the entropy mask (docs/semantics.md says what
-is computed, docs/api.md lists every setting, option and input). A call flows: inputs checked -> the batch
+is computed, docs/usage.md how to call it). A call flows: inputs checked -> the batch
 objective (`objectives.Objective`) -> `schedules.choose` -> the schedule's `run`, which streams the lm_head
 tiles and asks the objective for the loss.
 """
@@ -131,7 +131,7 @@ class FusedLinearGRPOLoss:
         vocab_start=0,
         **unknown,
     ) -> GRPOLossOutput:
-        """The loss of one micro-batch. Inputs: docs/api.md (shapes as on `inputs.LossInputs`). Under autocast,
+        """The loss of one micro-batch. Inputs: docs/usage.md (shapes as on `inputs.LossInputs`). Under autocast,
         the lm_head GEMMs run in the autocast dtype (as TRL's fused head does)."""
         unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
         tensors = {k: v for k, v in locals().items() if k in LOSS_INPUT_NAMES}
