@@ -157,20 +157,14 @@ class FusedLinearGRPOLoss:
             inputs = _with_reference_logps(inputs, engine, self.config)
         objective = Objective(self.config, inputs, step, self.process_group)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
-        schedule, plan = schedules.choose(
-            self.schedule, engine, objective, head, self.logits_budget_bytes, "speed_tile" in self.tile_overrides
-        )
+        schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
         return GRPOLossOutput(*schedule.run(engine, objective, head, plan))
 
     def _checked(self, inputs: LossInputs) -> LossInputs:
         """Shapes and dtypes always, values unless validate=False; DTensor weights gathered."""
         validation.check_shapes(inputs)
-        if (
-            self.config.beta != 0.0
-            and inputs.ref_per_token_logps is None
-            and inputs.ref_hidden is None
-            and (inputs.ref_weight is None)
-        ):
+        no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
+        if self.config.beta != 0.0 and no_reference:
             raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
         inputs = inputs.cast_head(distributed.full_tensor)
         if self.validate:

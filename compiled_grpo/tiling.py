@@ -31,6 +31,10 @@ class Tiles:
     speed_tile: int
     speed_group: int
     sparse_tile: int
+    # The GPU speed tile where dW is summed over groups: half the logits tile buys a 4096-token group in the same
+    # memory (4 * 1024 + 2 * 4096 bytes per vocabulary entry, as 6 * 2048), halving the passes over the float32
+    # dW sum. Not an option of its own: an explicit speed_tile sets it too.
+    accumulating_speed_tile: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, overrides: dict[str, int]) -> Tiles:
@@ -41,10 +45,11 @@ class Tiles:
         else:  # one dW GEMM per tile measured faster than groups of 1024 or 4096 tokens (they leave the cache)
             tiles = cls(token_tile=256, tail_tile=32, vocab_tile=4096, stats_rows=256, speed_tile=256,
                         speed_group=256, sparse_tile=256)  # fmt: skip
-        return dataclasses.replace(tiles, **overrides)
+        accumulating = overrides.get("speed_tile", 1024 if device.type == "cuda" else tiles.speed_tile)
+        return dataclasses.replace(tiles, accumulating_speed_tile=accumulating, **overrides)
 
 
-TILE_NAMES = tuple(f.name for f in dataclasses.fields(Tiles))
+TILE_NAMES = tuple(f.name for f in dataclasses.fields(Tiles))[:-1]  # the constructor's tile options
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         with self.accelerator.autocast():
             hidden, outputs = completion_hidden_states(model, lm_head, model_inputs, completion_ids.size(1))
-            out = self._fused_loss(hidden, lm_head, completion_ids, mask, inputs, mode, accumulation)
+            out = self._fused_loss(hidden, lm_head, mask, inputs, mode)
         loss = out.loss
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
@@ -120,8 +120,10 @@ class CompiledGRPOTrainer(GRPOTrainer):
             self._update_entropy_controller(out, mask, mode)
         return loss
 
-    def _fused_loss(self, hidden, lm_head, completion_ids, mask, inputs, mode, accumulation):
-        weight, bias = lm_head.weight, lm_head.bias
+    def _fused_loss(self, hidden, lm_head, mask, inputs, mode):
+        """The fused loss of this micro-batch; in eval mode without gradient accumulation (as TRL)."""
+        weight, bias, completion_ids = lm_head.weight, lm_head.bias, inputs["completion_ids"]
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         autocast_off = None
         if self.args.cast_lm_head_to_fp32:
             hidden = hidden.float()

@@ -15,7 +15,7 @@ from .passes import Engine
 SCHEDULES = ("auto", "speed", "memory", "sparse")
 
 
-def choose(requested: str, engine: Engine, objective, head, budget: int, speed_tile_set: bool):
+def choose(requested: str, engine: Engine, objective, head, budget: int):
     """(schedule module, its plan). The rule for "auto":
     - a vocabulary-parallel lm_head: memory (the one schedule that combines the shards' statistics);
     - top_entropy_quantile < 1: sparse (the threshold needs every entropy before any gradient; then only the
@@ -32,7 +32,7 @@ def choose(requested: str, engine: Engine, objective, head, budget: int, speed_t
         if requested == "sparse" or sparse.workspace_bytes(engine, plan, head) <= budget:
             return sparse, plan
         return memory, plan  # the same token plan
-    plan = speed.plan(engine, objective, head, speed_tile_set)
+    plan = speed.plan(engine, objective, head)
     if plan is None and requested == "speed":
         raise ValueError(
             f"schedule='speed' with a sequence-level objective needs whole rows in a token tile; a row has more "

@@ -26,8 +26,6 @@ from ..tiling import TilePlan
 from . import passes
 from .passes import Engine, TokenOuterGradients, Wanted
 
-ACCUMULATING_SPEED_TILE = 1024  # GPU speed tile when dW is summed over groups (see `plan`)
-
 
 @dataclass(frozen=True)
 class SpeedPlan:
@@ -40,7 +38,7 @@ class SpeedPlan:
         return max((n for _, n in self.gradient.tiles), default=0)
 
 
-def plan(engine: Engine, objective: Objective, head: Head, speed_tile_set: bool) -> SpeedPlan | None:
+def plan(engine: Engine, objective: Objective, head: Head) -> SpeedPlan | None:
     """The tile plan, or None when a row that must stay whole has more active tokens than a tile. One wait on
     the GPU (every count the plan needs is read back at once)."""
     mask = objective.inputs.completion_mask
@@ -51,11 +49,7 @@ def plan(engine: Engine, objective: Objective, head: Head, speed_tile_set: bool)
     (active, *zero_positions), lengths = tiling.positions_and_lengths(masks, gradient_mask if whole_rows else None)
     t = engine.tiles
     buffered = passes.buffers_weight_gradient(head.weight.dtype, active.numel(), head.weight.shape[1])
-    tile = t.speed_tile
-    if head.weight.requires_grad and not buffered and head.weight.is_cuda and not speed_tile_set:
-        # Half the logits tile buys a 4096-token group in the same memory (4 * 1024 + 2 * 4096 bytes per
-        # vocabulary entry, as 6 * 2048), halving the passes over the float32 dW sum.
-        tile = ACCUMULATING_SPEED_TILE
+    tile = t.accumulating_speed_tile if head.weight.requires_grad and not buffered else t.speed_tile
     if whole_rows:
         gradient = tiling.plan_whole_rows(active, lengths, mask.numel(), tile)
         if gradient is None:
