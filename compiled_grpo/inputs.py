@@ -26,9 +26,32 @@ class LossInputs:
     ref_hidden: torch.Tensor | None = None  # [B, T, H]: a reference model's states, for ref log-probs
     ref_weight: torch.Tensor | None = None  # [V, H]: a separate reference lm_head
     ref_bias: torch.Tensor | None = None  # [V]
+    # Packed calls (`packing.Packing`): hidden and ref_hidden are [rows, H] and this is the hidden row of each of
+    # the B * T positions; None: hidden is [B, T, H].
+    hidden_rows: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.hidden_rows is not None
 
     def per_token(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in PER_TOKEN}
+
+    def unpacked(self, packing) -> LossInputs:
+        """A packed call's inputs in the padded layout of `packing` ([M] -> [S, T]; [S] inputs and the hidden
+        states stay as they are)."""
+        lay_out = lambda t, fill: t if t is None or t.shape[0] != packing.position.numel() else packing.unpack(t, fill)
+        sequences = packing.sequences
+        per_target = {
+            "completion_ids": lay_out(self.completion_ids, 0),
+            "completion_mask": lay_out(self.completion_mask, 0),
+            "advantages": self.advantages if self.advantages.shape[0] == sequences else lay_out(self.advantages, 0),
+            **{name: lay_out(getattr(self, name), 0) for name in PER_TOKEN},
+        }
+        ratio = self.importance_sampling_ratio
+        if ratio is not None and ratio.shape[0] != sequences:
+            per_target["importance_sampling_ratio"] = lay_out(ratio, 1)
+        return dataclasses.replace(self, **per_target, hidden_rows=packing.rows)
 
     def cast_head(self, convert) -> LossInputs:
         """The same inputs with `convert` applied to the lm_head's tensors (hidden states, weights, biases)."""

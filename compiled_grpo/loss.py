@@ -27,6 +27,7 @@ from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels
 from .objectives import Objective, Step
+from .packing import Packing
 from .schedules import SCHEDULES, memory, passes
 from .tiling import TILE_NAMES, Tiles
 
@@ -129,13 +130,23 @@ class FusedLinearGRPOLoss:
         steps_per_generation=None,
         entropy_coef=None,
         vocab_start=0,
+        segment_ids=None,
+        num_sequences=None,
+        row_index=None,
         **unknown,
     ) -> GRPOLossOutput:
         """The loss of one micro-batch. Inputs: docs/usage.md (shapes as on `inputs.LossInputs`). Under autocast,
-        the lm_head GEMMs run in the autocast dtype (as TRL's fused head does)."""
+        the lm_head GEMMs run in the autocast dtype (as TRL's fused head does).
+
+        Packed batches (`segment_ids` given; docs/usage.md, "Packed batches"): hidden [rows, H], one entry per
+        trained token in completion_ids, completion_mask, segment_ids (its sequence, 0..S-1, a sequence's tokens
+        in order), the per-token inputs and optionally row_index (the hidden row predicting it);
+        advantages and importance_sampling_ratio per token or per sequence. The loss is the padded call's with
+        each sequence left-aligned in its own row; outputs come back per token."""
         unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
         tensors = {k: v for k, v in locals().items() if k in LOSS_INPUT_NAMES}
-        inputs = LossInputs(**tensors).under_autocast()
+        inputs, packing = self._laid_out(LossInputs(**tensors), segment_ids, num_sequences, row_index)
+        inputs = inputs.under_autocast()
         if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
             raise ValueError("gradient_accumulation_steps and steps_per_generation must be positive")
         cfg = self.config
@@ -148,7 +159,25 @@ class FusedLinearGRPOLoss:
         )
         device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
         with torch.autocast(device_type, enabled=False):
-            return self._loss(inputs, step, VocabShard(self.vocab_group, vocab_start))
+            out = self._loss(inputs, step, VocabShard(self.vocab_group, vocab_start))
+        if packing is None:
+            return out
+        return GRPOLossOutput(out.loss, out.metrics, *map(packing.pack, (out.per_token_logps, out.entropy,
+                                                                             out.entropy_mask)))  # fmt: skip
+
+    def _laid_out(self, inputs: LossInputs, segment_ids, num_sequences, row_index):
+        """(inputs in the padded layout, the packing or None): a packed call's [M] inputs laid out as [S, T]."""
+        if segment_ids is None:
+            if num_sequences is not None or row_index is not None:
+                raise ValueError("num_sequences and row_index belong to a packed call: pass segment_ids too")
+            return inputs, None
+        validation.check_packed(inputs, segment_ids, row_index, num_sequences)
+        if self.validate:
+            sequences = int(segment_ids.max()) + 1 if num_sequences is None and segment_ids.numel() else num_sequences
+            validation.check_packed_values(segment_ids, row_index, inputs.hidden.shape[0], sequences or 0)
+        packing = Packing.of(segment_ids, num_sequences, row_index)
+        validation.check_per_sequence(inputs, packing)
+        return inputs.unpacked(packing), packing
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
@@ -183,7 +212,9 @@ def _with_reference_logps(inputs: LossInputs, engine: passes.Engine, cfg: GRPOLo
     mask = inputs.completion_mask
     plan = memory.plan(engine, mask)
     with torch.no_grad():
-        slots = passes.gather_slots(hidden.detach(), inputs.completion_ids, plan, engine.shard.start)
+        slots = passes.gather_slots(
+            hidden.detach(), inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows
+        )
         head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x))
         logp, _, _ = passes.statistics_pass(engine, slots.x, slots.targets, head.detached(), plan.tiles)
         ref = tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+PER_TOKEN_NAMES = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
 
 
 def _fail(name: str, why: str, error=ValueError):
@@ -28,9 +29,14 @@ def check_shapes(inputs) -> None:
     for name, x in (("hidden", hidden), ("weight", weight), ("completion_ids", ids), ("completion_mask", mask)):
         _is_tensor(x, name)
     _is_tensor(advantages, "advantages")
-    if hidden.dim() != 3:
+    if inputs.packed:
+        if hidden.dim() != 2:
+            _fail("hidden", f"a packed call expects [rows, H], got shape {tuple(hidden.shape)}")
+        (B, T), H = ids.shape, hidden.shape[1]
+    elif hidden.dim() != 3:
         _fail("hidden", f"expected [B, T, H], got shape {tuple(hidden.shape)}")
-    B, T, H = hidden.shape
+    else:
+        B, T, H = hidden.shape
     if hidden.dtype not in FLOATS:
         _fail("hidden", f"expected a floating dtype, got {hidden.dtype}", TypeError)
     if weight.dim() != 2 or weight.shape[1] != H:
@@ -95,3 +101,51 @@ def check_values(inputs, vocab: int) -> None:
             _fail("importance_sampling_ratio", "non-finite value at an active position")
         if (r < 0).any():
             _fail("importance_sampling_ratio", "negative value at an active position")
+
+
+def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:
+    """A packed call's shapes, before its layout is made: hidden [rows, H], every per-target input [M],
+    advantages and importance_sampling_ratio [M] or per sequence."""
+    hidden, ids = inputs.hidden, inputs.completion_ids
+    for name, x in (("hidden", hidden), ("completion_ids", ids), ("segment_ids", segment_ids)):
+        _is_tensor(x, name)
+    if hidden.dim() != 2:
+        _fail("hidden", f"a packed call (segment_ids given) expects [rows, H], got shape {tuple(hidden.shape)}")
+    if ids.dim() != 1:
+        _fail("completion_ids", f"a packed call expects [M] targets, got shape {tuple(ids.shape)}")
+    M = ids.shape[0]
+    for name in ("completion_mask", "segment_ids", *PER_TOKEN_NAMES):
+        x = segment_ids if name == "segment_ids" else getattr(inputs, name)
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != (M,)):
+            _fail(name, f"a packed call expects [{M}] (one per target), got {getattr(x, 'shape', type(x))}")
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+        _fail("segment_ids", f"expected an integer dtype, got {segment_ids.dtype}", TypeError)
+    if row_index is None and hidden.shape[0] != M:
+        _fail("hidden", f"expected [{M}, H] (one row per target) without row_index, got {tuple(hidden.shape)}")
+    if row_index is not None:
+        _is_tensor(row_index, "row_index")
+        if row_index.shape != (M,) or row_index.dtype.is_floating_point:
+            _fail("row_index", f"expected [{M}] integer rows of hidden, got {tuple(row_index.shape)} {row_index.dtype}")
+    per_sequence = {"advantages": inputs.advantages, "importance_sampling_ratio": inputs.importance_sampling_ratio}
+    for name, x in per_sequence.items():
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 1):
+            _fail(name, f"a packed call expects [M] or [num_sequences], got {getattr(x, 'shape', type(x))}")
+    if sequences is not None and (not isinstance(sequences, int) or sequences < 0):
+        _fail("num_sequences", f"expected a non-negative int, got {sequences!r}")
+
+
+def check_packed_values(segment_ids, row_index, rows: int, sequences: int) -> None:
+    """Host-syncing checks: sequence ids in [0, num_sequences), rows of hidden in range."""
+    if segment_ids.numel() and (int(segment_ids.min()) < 0 or int(segment_ids.max()) >= sequences):
+        _fail("segment_ids", f"values must lie in [0, num_sequences={sequences})")
+    if row_index is not None and row_index.numel() and (int(row_index.min()) < 0 or int(row_index.max()) >= rows):
+        _fail("row_index", f"values must lie in [0, {rows}) (rows of hidden)")
+
+
+def check_per_sequence(inputs, packing) -> None:
+    """After the layout is known: [S] inputs match the number of sequences."""
+    M, S = packing.position.numel(), packing.sequences
+    for name in ("advantages", "importance_sampling_ratio"):
+        x = getattr(inputs, name)
+        if x is not None and x.shape[0] not in (M, S):
+            _fail(name, f"a packed call expects [{M}] (per target) or [{S}] (per sequence), got {tuple(x.shape)}")

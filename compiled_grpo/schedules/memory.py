@@ -82,7 +82,7 @@ def statistics_then_objective(function, engine: Engine, objective: Objective, he
     """The loss of the batch: statistics of every active token, the objective on [B,T] (the entropy threshold
     included), gradients by `function`'s backward."""
     inputs = objective.inputs
-    slots = passes.gather_slots(inputs.hidden, inputs.completion_ids, plan, engine.shard.start)
+    slots = passes.gather_slots(inputs.hidden, inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
     logp_s, entropy_s = statistics_with_recompute(function, engine, slots, head)
     mask = objective.batch.mask
     logp = tiling.from_slots(logp_s, plan, mask.numel()).view(mask.shape)

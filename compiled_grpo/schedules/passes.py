@@ -41,8 +41,10 @@ class Slots:
     targets: torch.Tensor  # [slots]
 
 
-def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0) -> Slots:
-    x = tiling.to_slots(hidden.reshape(-1, hidden.shape[-1]), plan, fill=None)
+def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0, rows=None) -> Slots:
+    """`rows`: for packed hidden states [rows, H], the row of each [B * T] position (`LossInputs.hidden_rows`)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    x = tiling.to_slots(flat, plan, fill=None) if rows is None else flat.index_select(0, rows[plan.source])
     targets = tiling.to_slots(ids.reshape(-1).long(), plan, fill=0) - vocab_start
     return Slots(plan, x, targets)
 

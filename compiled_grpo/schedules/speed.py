@@ -114,10 +114,10 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
     detached = head.detached()
     if plan.statistics_only is not None and plan.statistics_only.tiles:
-        slots = passes.gather_slots(hidden.detach(), ids, plan.statistics_only)
+        slots = passes.gather_slots(hidden.detach(), ids, plan.statistics_only, rows=inputs.hidden_rows)
         logp, entropy, _ = passes.statistics_pass(engine, slots.x, slots.targets, detached, slots.plan.tiles)
         flat.write(flat.destinations(plan.statistics_only), logp, entropy)
-    slots = passes.gather_slots(hidden.detach(), ids, plan.gradient)
+    slots = passes.gather_slots(hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
     x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
     dest = flat.destinations(plan.gradient)
     grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
@@ -134,19 +134,24 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     logp, entropy = flat.view(ids.shape)
     loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms)
     d_hidden = None
-    if hidden.requires_grad:
-        d_hidden = dx.view(hidden.shape) if plan.gradient.identity else scatter_rows(dx, plan.gradient, hidden)
+    if hidden.requires_grad and plan.gradient.identity and not inputs.packed:
+        d_hidden = dx.view(hidden.shape)
+    elif hidden.requires_grad:
+        d_hidden = scatter_rows(dx, plan.gradient, hidden, inputs.hidden_rows)
     d_weight = dw.to(head.weight.dtype) if wanted.weight else None
     d_bias = db.to(head.bias.dtype) if wanted.bias else None
     loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, (d_hidden, d_weight, d_bias))
     return loss, metrics, logp, entropy, None
 
 
-def scatter_rows(dx, plan: TilePlan, hidden):
-    """dX of the slots back to [B, T, H], 0 where no slot is (padding, statistics-only tokens)."""
-    numel = hidden.shape[0] * hidden.shape[1]
-    d_hidden = torch.zeros(numel + 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
-    d_hidden.index_copy_(0, torch.where(plan.valid, plan.source, numel), dx)  # padding slots: the scratch row
+def scatter_rows(dx, plan: TilePlan, hidden, rows=None):
+    """dX of the slots back to hidden's shape, 0 where no slot is (padding, statistics-only tokens). Packed
+    hidden states ([rows, H], `rows` the row of each position) sum the slots that share a row."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    numel = flat.shape[0]
+    destination = plan.source if rows is None else rows[plan.source]
+    d_hidden = torch.zeros(numel + 1, flat.shape[1], dtype=hidden.dtype, device=hidden.device)
+    d_hidden.index_add_(0, torch.where(plan.valid, destination, numel), dx)  # padding slots: the scratch row
     return d_hidden[:numel].view(hidden.shape)
 
 

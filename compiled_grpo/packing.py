@@ -1,0 +1,51 @@
+"""Packed batches: each sequence's targets laid out as the padded call's row, without copying hidden states.
+
+A packed call gives M targets (one per trained token) with the sequence of each (`segment_ids`, a sequence's
+targets in order) and the hidden row that predicts each (`row_index`, default: target m is predicted by row m,
+the padding-free layout; in TRL's tree-packed rows one position can predict the first token of several
+samples). The loss is that of the padded call with sequence s's targets left-aligned in row s of an [S, T]
+batch (T the longest sequence): every [M] input is laid out so, [S] inputs stay per sequence, and the hidden
+states stay packed: the padded positions only point at their rows (`Packing.rows`), which the lm_head tiles
+gather from directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Packing:
+    sequences: int  # S
+    length: int  # T, the longest sequence
+    position: torch.Tensor  # [M] flat position s * T + t of each target in the padded layout
+    rows: torch.Tensor  # [S * T] hidden row of each padded position (row 0 where no target is)
+
+    @classmethod
+    def of(cls, segment_ids: torch.Tensor, num_sequences: int | None, row_index: torch.Tensor | None) -> Packing:
+        """The layout of M targets; two waits on the GPU (the number of sequences and the longest)."""
+        segment_ids = segment_ids.long()
+        m = segment_ids.numel()
+        sequences = int(segment_ids.max()) + 1 if num_sequences is None and m else int(num_sequences or 0)
+        counts = torch.bincount(segment_ids, minlength=sequences)
+        length = int(counts.max()) if m else 0
+        order = torch.sort(segment_ids, stable=True).indices  # targets grouped by sequence, in their order
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(segment_ids)
+        rank[order] = torch.arange(m, device=segment_ids.device) - starts[segment_ids[order]]
+        position = segment_ids * length + rank
+        rows = torch.zeros(sequences * length, dtype=torch.long, device=segment_ids.device)
+        source = torch.arange(m, device=segment_ids.device) if row_index is None else row_index.long()
+        rows[position] = source
+        return cls(sequences, length, position, rows)
+
+    def unpack(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """[M] per target -> [S, T] (`fill` where no target is)."""
+        out = torch.full((self.sequences * self.length,), fill, dtype=values.dtype, device=values.device)
+        return out.index_put((self.position,), values).view(self.sequences, self.length)
+
+    def pack(self, padded: torch.Tensor | None) -> torch.Tensor | None:
+        """[S, T] -> [M] per target."""
+        return None if padded is None else padded.reshape(-1).index_select(0, self.position)
