@@ -1,7 +1,8 @@
 """Float64 reference of the GRPO loss family (TRL 1.16.0 semantics), independent of `compiled_grpo`.
 
 `grpo_loss` starts from hidden states and the lm_head (full logits in float64); `grpo_loss_packed` from packed
-targets (laid out as the padded call); `grpo_objective` starts from per-token log-probs and entropies. Both return a `ReferenceOutput`.
+targets (laid out as the padded call); `grpo_objective` starts from per-token log-probs and entropies. All
+return a `ReferenceOutput`.
 """
 
 from .loss import ReferenceOutput, grpo_loss, grpo_objective
