@@ -1,9 +1,10 @@
-"""A batch packed by TRL 1.16's own async packing (`trl.experimental.async_grpo.packing.TreeRow`): a prefix trie
-of two prompts with three completions each, whose shared opening tokens are forwarded once and predicted from
-one position for all three completions. The per-token log-probs and entropies equal those of the model TRL's `AsyncGRPOTrainer.compute_loss`
-runs (here: the lm_head on fixed hidden states), and the loss, its gradients and the shared metrics equal that
-`compute_loss`'s, run on the same batch. TRL's async loss is a clipped token-level objective normalized by the
-trained tokens of the batch: the library's dapo with num_items_in_batch = those tokens and steps_per_generation = 1.
+"""A batch packed by TRL 1.16's own async packing (`trl.experimental.async_grpo.packing.TreeRow`): a prefix
+trie of two prompts with three completions each, whose shared opening tokens are forwarded once and predicted
+from one position for all three completions. The per-token log-probs and entropies equal those of the model
+TRL's `AsyncGRPOTrainer.compute_loss` runs (here: the lm_head on fixed hidden states), and the loss, its
+gradients and the shared metrics equal that `compute_loss`'s, run on the same batch. TRL's async loss is a
+clipped token-level objective normalized by the trained tokens of the batch: the library's dapo with
+num_items_in_batch = those tokens and steps_per_generation = 1.
 """
 
 from __future__ import annotations
