@@ -9,6 +9,7 @@ import torch
 from . import reference
 
 HEAD = ("hidden", "weight", "bias")
+PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
 POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
 
 
@@ -39,6 +40,36 @@ def run_fused(loss_fn, x: dict, **extra):
 def run_reference(x: dict, settings: dict, **extra):
     """float64 on the inputs as given (already rounded to the tested dtype)."""
     return call(lambda *a, **k: reference.grpo_loss(*a, **k, **settings), x, torch.float64, **extra)
+
+
+def run_packed_reference(x: dict, settings: dict, **extra):
+    """The packed entry of the reference, float64, on packed inputs (`pack`)."""
+    return call(lambda *a, **k: reference.grpo_loss_packed(*a, **k, **settings), x, torch.float64, **extra)
+
+
+def pack(x: dict, keep_masked: bool = False) -> dict:
+    """The padded batch x as packed targets: each row's positions in order (only the active ones unless
+    `keep_masked`: then every position, and the layout is the padded one), one segment per row."""
+    mask = x["completion_mask"].bool()
+    B, T = mask.shape
+    keep = torch.ones_like(mask) if keep_masked else mask
+    segment_ids = torch.arange(B).unsqueeze(1).expand(B, T)[keep]
+    p = {
+        "hidden": x["hidden"][keep],
+        "weight": x["weight"],
+        "completion_ids": x["completion_ids"][keep],
+        "completion_mask": x["completion_mask"][keep],
+        "advantages": x["advantages"] if x["advantages"].dim() == 1 else x["advantages"][keep],
+        "segment_ids": segment_ids,
+        "num_sequences": B,
+    }
+    for k in (*PER_TOKEN, "bias"):
+        if k in x:
+            p[k] = x[k] if k == "bias" else x[k][keep]
+    ratio = x.get("importance_sampling_ratio")
+    if ratio is not None:
+        p["importance_sampling_ratio"] = ratio.reshape(B) if ratio.shape[-1] == 1 or ratio.dim() == 1 else ratio[keep]
+    return p
 
 
 def run_naive_bf16(x: dict, settings: dict):

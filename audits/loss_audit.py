@@ -34,12 +34,12 @@ class LossCell:
     dtype: str
     mode: str  # "eager" | "compiled"
     schedule: str  # "memory" | "speed" | "sparse"
-    batch: str = "random"  # "random" advantages, beta and a bonus | "groups": GRPO groups, half of them tied
+    batch: str = "random"  # "random" advantages, beta, bonus | "groups": GRPO groups, half tied | "packed"
 
     @property
     def name(self) -> str:
         name = f"{self.loss_type:7s} {self.level:8s} q={self.q:<3} {self.dtype:8s} {self.mode:8s} {self.schedule:6s}"
-        return name + (" groups" if self.batch == "groups" else "")
+        return name + ("" if self.batch == "random" else f" {self.batch}")
 
     def settings(self, T: int) -> dict:
         # groups: beta 0 and no bonus, where zero-advantage and masked-out tokens have no gradient at all
@@ -73,6 +73,11 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
         for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, dtypes):
             skipping = tuple(s for s in schedules(q) if s != "memory")
             out += [LossCell(loss_type, level, q, dtype, "eager", schedule, "groups") for schedule in skipping]
+        # packed (padding-free) batches against the reference's packed entry, one cell per loss type and schedule
+        for loss_type, schedule in itertools.product(loss_types, ("speed", "sparse")):
+            level = "sequence" if loss_type == "luspo" else "token"
+            q = 1.0 if schedule == "speed" else 0.5
+            out.append(LossCell(loss_type, level, q, "float32", "eager", schedule, "packed"))
     return out
 
 
@@ -154,10 +159,13 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
     settings = cell.settings(size.T)
     result = CellResult("loss", cell.name, params={**cell.__dict__})
     loss_fn = FusedLinearGRPOLoss(compiled=cell.mode == "compiled", schedule=cell.schedule, **settings)
+    run_reference = harness.run_reference
+    if cell.batch == "packed":  # the active tokens alone, one sequence per row, the empty row kept
+        x, run_reference = harness.pack(x), harness.run_packed_reference
     out, grads = harness.run_fused(loss_fn, x)
-    ref, ref_grads = harness.run_reference(x, settings)
+    ref, ref_grads = run_reference(x, settings)
     if compare_masks(out, ref, x["completion_mask"], cell.q, cell.dtype, result):
-        ref, ref_grads = harness.run_reference(x, settings, entropy_mask_override=out.entropy_mask)
+        ref, ref_grads = run_reference(x, settings, entropy_mask_override=out.entropy_mask)
     tol = tolerances.for_dtype(cell.dtype)
     result.check("loss", relative_error(out.loss, ref.loss), tol["loss"])
     missing = set(ref.metrics) ^ set(out.metrics)

@@ -166,17 +166,28 @@ def liger(shape, x):
     return run
 
 
-def ours(schedule, compiled, **tiles):
+def ours(schedule, compiled, packed=False, **tiles):
+    """This library; `packed`: the same batch given padding-free (the active tokens' hidden rows, one
+    segment per sequence), packed outside the timed call as a packing data loader would."""
+
     def make(shape, x):
         if schedule == "speed" and shape.q < 1:
             return "not applicable: the speed schedule cannot take top_entropy_quantile < 1"
+        if packed and shape.beta:
+            return "not measured: packed with a reference model"
         settings = loss_settings(shape)
         loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=False, **tiles, **settings)
         extra = {"ref_hidden": x["ref_hidden"], "ref_weight": x["ref_weight"]} if shape.beta else {}
+        hidden, ids, mask, adv = x["hidden"], x["ids"], x["mask"], x["advantages"]
+        if packed:
+            keep = mask.bool()
+            rows = torch.arange(shape.B, device=mask.device).unsqueeze(1).expand_as(mask)[keep]
+            hidden, ids, mask = hidden[keep], ids[keep], mask[keep]
+            extra = {"segment_ids": rows, "num_sequences": shape.B}
 
         def run():
-            h = x["hidden"].detach().requires_grad_()
-            loss_fn(h, x["weight"], x["ids"], x["mask"], x["advantages"], **extra).loss.backward()
+            h = hidden.detach().requires_grad_()
+            loss_fn(h, x["weight"], ids, mask, adv, **extra).loss.backward()
 
         return run
 
@@ -194,6 +205,7 @@ METHODS = {
     "compiled_grpo memory, compiled": ours("memory", True),
     "compiled_grpo sparse, compiled": ours("sparse", True),
     "compiled_grpo auto, compiled": ours("auto", True),
+    "compiled_grpo auto, compiled, packed": ours("auto", True, packed=True),
 }
 
 

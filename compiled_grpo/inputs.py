@@ -51,6 +51,10 @@ class LossInputs:
         ratio = self.importance_sampling_ratio
         if ratio is not None and ratio.shape[0] != sequences:
             per_target["importance_sampling_ratio"] = lay_out(ratio, 1)
+        if packing.identity:  # the padded batch itself: hidden states as a [S, T, H] view
+            as_padded = lambda h: None if h is None else h.view(sequences, packing.length, h.shape[-1])
+            return dataclasses.replace(self, **per_target, hidden=as_padded(self.hidden),
+                                       ref_hidden=as_padded(self.ref_hidden))  # fmt: skip
         return dataclasses.replace(self, **per_target, hidden_rows=packing.rows)
 
     def cast_head(self, convert) -> LossInputs:

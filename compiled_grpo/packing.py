@@ -22,6 +22,9 @@ class Packing:
     length: int  # T, the longest sequence
     position: torch.Tensor  # [M] flat position s * T + t of each target in the padded layout
     rows: torch.Tensor  # [S * T] hidden row of each padded position (row 0 where no target is)
+    # every sequence has T targets, in sequence order, each predicted by its own row: the packed rows are the
+    # padded batch's rows as they are, and hidden [S * T, H] is used as a [S, T, H] view (no gather)
+    identity: bool = False
 
     @classmethod
     def of(cls, segment_ids: torch.Tensor, num_sequences: int | None, row_index: torch.Tensor | None) -> Packing:
@@ -30,7 +33,8 @@ class Packing:
         m = segment_ids.numel()
         sequences = int(segment_ids.max()) + 1 if num_sequences is None and m else int(num_sequences or 0)
         counts = torch.bincount(segment_ids, minlength=sequences)
-        length = int(counts.max()) if m else 0
+        in_order = (segment_ids[1:] >= segment_ids[:-1]).all()
+        length, shortest, in_order = torch.stack([counts.max(), counts.min(), in_order]).tolist() if m else (0, 0, 1)
         order = torch.sort(segment_ids, stable=True).indices  # targets grouped by sequence, in their order
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.empty_like(segment_ids)
@@ -39,7 +43,8 @@ class Packing:
         rows = torch.zeros(sequences * length, dtype=torch.long, device=segment_ids.device)
         source = torch.arange(m, device=segment_ids.device) if row_index is None else row_index.long()
         rows[position] = source
-        return cls(sequences, length, position, rows)
+        identity = row_index is None and bool(in_order) and shortest == length and sequences * length == m
+        return cls(sequences, length, position, rows, identity)
 
     def unpack(self, values: torch.Tensor, fill=0) -> torch.Tensor:
         """[M] per target -> [S, T] (`fill` where no target is)."""

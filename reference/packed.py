@@ -51,6 +51,8 @@ def grpo_loss_packed(
         rest["ref_hidden"] = rest["ref_hidden"][index]
     for name in PER_TARGET:
         rest[name] = lay_out(rest.get(name), 0.0)
+    if rest.get("entropy_mask_override") is not None:
+        rest["entropy_mask_override"] = lay_out(rest["entropy_mask_override"], False)
     out = grpo_loss(
         padded_hidden,
         weight,

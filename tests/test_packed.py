@@ -11,42 +11,14 @@ import torch._dynamo
 from cases import TILES, assert_matches, make_inputs, run_fused
 from torch._dynamo.utils import counters
 
-import reference
-from audits.harness import call, leaves
+from audits.harness import leaves, pack, run_packed_reference
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss
 
 warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
 
-PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
-
-
-def pack(x: dict, keep_masked: bool = False) -> dict:
-    """The padded batch x as packed targets: each row's positions in order (only the active ones unless
-    `keep_masked`: then every position, and the layout is the padded one), one segment per row."""
-    mask = x["completion_mask"].bool()
-    B, T = mask.shape
-    keep = torch.ones_like(mask) if keep_masked else mask
-    segment_ids = torch.arange(B).unsqueeze(1).expand(B, T)[keep]
-    p = {
-        "hidden": x["hidden"][keep],
-        "weight": x["weight"],
-        "completion_ids": x["completion_ids"][keep],
-        "completion_mask": x["completion_mask"][keep],
-        "advantages": x["advantages"] if x["advantages"].dim() == 1 else x["advantages"][keep],
-        "segment_ids": segment_ids,
-        "num_sequences": B,
-    }
-    for k in (*PER_TOKEN, "bias"):
-        if k in x:
-            p[k] = x[k] if k == "bias" else x[k][keep]
-    ratio = x.get("importance_sampling_ratio")
-    if ratio is not None:
-        p["importance_sampling_ratio"] = ratio.reshape(B) if ratio.shape[-1] == 1 or ratio.dim() == 1 else ratio[keep]
-    return p
-
 
 def packed_reference(p: dict, settings: dict):
-    return call(lambda *a, **k: reference.grpo_loss_packed(*a, **k, **settings), p, torch.float64)
+    return run_packed_reference(p, settings)
 
 
 OPTIONS = [
