@@ -19,7 +19,7 @@ import torch
 @dataclass(frozen=True)
 class Packing:
     sequences: int  # S
-    length: int  # T, the longest sequence
+    length: int  # T, the longest sequence (at least 2)
     position: torch.Tensor  # [M] flat position s * T + t of each target in the padded layout
     rows: torch.Tensor  # [S * T] hidden row of each padded position (row 0 where no target is)
     # every sequence has T targets, in sequence order, each predicted by its own row: the packed rows are the
@@ -37,6 +37,9 @@ class Packing:
         length, shortest, in_order = torch.stack([counts.max(), counts.min(), in_order]).tolist() if m else (0, 0, 1)
         order = torch.sort(segment_ids, stable=True).indices  # targets grouped by sequence, in their order
         starts = torch.cumsum(counts, 0) - counts
+        # At least two positions: a one-position batch is where per-sequence metrics would read as per-token ones
+        # (docs/semantics.md, the last paragraph), and a packing's longest sequence is no property of the batch.
+        length = max(length, 2)
         rank = torch.empty_like(segment_ids)
         rank[order] = torch.arange(m, device=segment_ids.device) - starts[segment_ids[order]]
         position = segment_ids * length + rank

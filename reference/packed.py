@@ -26,14 +26,15 @@ def grpo_loss_packed(
     """`grpo_loss` of M packed targets: hidden [rows, H]; completion_ids, completion_mask, segment_ids (each
     target's sequence, a sequence's targets in order), the per-token inputs, and row_index (the hidden row that
     predicts each target, default the target's own index) all [M]; advantages and importance_sampling_ratio
-    [M] or [S]. Equal to the padded call with each sequence's targets left-aligned in its own row; outputs per
-    target."""
+    [M] or [S]. Equal to the padded call with each sequence's targets left-aligned in its own row (at least two
+    positions wide); outputs per target."""
     seg = [int(s) for s in segment_ids.tolist()]
     M = len(seg)
     S = num_sequences if num_sequences is not None else (max(seg) + 1 if seg else 0)
     rows_of = list(range(M)) if row_index is None else [int(r) for r in row_index.tolist()]
     members = [[m for m in range(M) if seg[m] == s] for s in range(S)]
-    T = max((len(ms) for ms in members), default=0)
+    # at least two positions: with one, per-sequence metrics would be read as per-token ones
+    T = max(max((len(ms) for ms in members), default=0), 2)
     where = {m: (s, t) for s, ms in enumerate(members) for t, m in enumerate(ms)}
 
     def lay_out(values, fill):

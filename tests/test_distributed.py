@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import reference
+from audits.harness import pack
 from compiled_grpo import FusedLinearGRPOLoss
 
 GLOBAL_LOSSES = ("grpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
@@ -131,6 +132,13 @@ def data_parallel_worker(rank, world, seed, empty_rank):
                 assert torch.equal(out.entropy_mask.cpu(), ref.entropy_mask[rows]), f"{what} entropy mask"
             for name, value in ref.metrics.items():
                 close(out.metrics[name], value, f"{what} metric {name}")
+            # the same shard packed (padding-free): the padded call's loss, gradients and metrics
+            p_out, p_dh, p_dw = run(FusedLinearGRPOLoss(compiled=False, **TILES, **settings(loss_type, q)), pack(mine))
+            close(p_out.loss, out.loss, f"{what} packed loss")
+            close(p_dw, dw, f"{what} packed weight gradient")
+            close(p_dh, dh[mine["completion_mask"].bool()], f"{what} packed hidden gradient")
+            for name, value in out.metrics.items():
+                close(p_out.metrics[name], value, f"{what} packed metric {name}")
         # bnpo normalizes per rank: each rank against the reference on its own shard (global threshold)
         for q in (1.0, 0.5):
             s = settings("bnpo", q)

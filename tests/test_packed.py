@@ -116,6 +116,27 @@ def tree_packed(seed: int = 23):
 
 
 @pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
+@pytest.mark.parametrize("loss_type", ["grpo", "vespo", "dapo"])
+def test_one_target_per_sequence_and_an_empty_sequence(loss_type, schedule):
+    """Sequences of one target and one of none: per-sequence metrics still average over every sequence, as in a
+    padded batch (the layout is at least two positions wide)."""
+    x = make_inputs(seed=28, B=4, T=1, dtype=torch.float64, empty_row=True)
+    settings = settings_for(loss_type, {}, 1)
+    p = pack(x)
+    ref, ref_grads = packed_reference(p, settings)
+    out, grads = run_fused(FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **settings), p)
+    assert_matches(out, grads, ref, ref_grads, rtol=1e-10)
+    # the padded batch with a second, masked position: the same loss and metrics
+    widen = lambda t, fill: torch.cat([t, torch.full_like(t, fill)], 1)
+    wide = {k: widen(v, 0) if v.dim() == 2 else v for k, v in x.items() if k not in ("hidden", "weight")}
+    wide.update(hidden=torch.cat([x["hidden"]] * 2, 1), weight=x["weight"])
+    padded, _ = run_fused(FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **settings), wide)
+    torch.testing.assert_close(out.loss, padded.loss)
+    for name, value in padded.metrics.items():
+        torch.testing.assert_close(out.metrics[name], value, equal_nan=True)
+
+
+@pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "luspo"])
 def test_tree_packed_rows_shared_by_several_targets(loss_type, schedule):
     x = tree_packed()
