@@ -16,10 +16,20 @@ embeddings and FSDP2 DTensor weights.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import trl
 from trl import GRPOTrainer
 
 from ..loss import FusedLinearGRPOLoss
+
+if trl.__version__ != "1.16.0":
+    warnings.warn(
+        f"compiled_grpo follows TRL 1.16.0's loss to the letter and was tested with it; trl {trl.__version__} is "
+        "installed, whose GRPOTrainer may compute or call its loss differently",
+        stacklevel=2,
+    )
 
 MODEL_EXTRA_INPUTS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids", "mm_token_type_ids",
