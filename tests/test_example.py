@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +28,8 @@ def test_trl_example_runs_offline_on_a_cpu(tmp_path, monkeypatch, capsys):
 
 def test_usage_doc_shows_the_trl_example_as_it_is():
     """The TRL snippet of docs/usage.md is lines of the example script, word for word."""
-    doc = open("docs/usage.md").read()
+    doc = Path("docs/usage.md").read_text()
     snippet = doc.split("## With TRL 1.16")[1].split("```python")[1].split("```")[0]
-    script = open("examples/train_trl_grpo.py").read()
+    script = Path("examples/train_trl_grpo.py").read_text()
     lines = [line for line in snippet.splitlines() if line.strip() and not line.strip().startswith("...")]
     assert lines and all(line in script for line in lines), [line for line in lines if line not in script]
