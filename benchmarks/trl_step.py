@@ -39,8 +39,10 @@ def tokenizer():
 
 
 def trainer(cls, model, out: Path, on_gpu: bool, completion: int):
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=8, report_to=[],
-                      max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu, save_strategy="no")  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=8, num_generations=8, report_to=[], save_strategy="no",
+        max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
+    )  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a"] * 8})
     extra = {"compiled": on_gpu} if cls is CompiledGRPOTrainer else {}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
@@ -108,8 +110,8 @@ def main(argv=None):
         rows.append({"trainer": cls.__name__, "ms": ms, "peak_gib": peak})
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if on_gpu else "CPU"
-    import trl
     import transformers
+    import trl
 
     lines = [
         "# TRL step: GRPOTrainer against CompiledGRPOTrainer",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import reference
@@ -14,6 +15,8 @@ __all__ = [
     "TILES",
     "assert_matches",
     "max_error",
+    "option_cases",
+    "valid_schedules",
     "leaves",
     "make_inputs",
     "run_fused",
@@ -110,6 +113,25 @@ def assert_matches(fused, fused_grads, ref, ref_grads, rtol, atol=None):
     assert set(fused_grads) == set(ref_grads)
     for name, g in ref_grads.items():
         close(fused_grads[name], g, f"d {name}")
+
+
+def valid_schedules(settings: dict) -> list[str]:
+    """The schedules a setting allows: speed cannot take top_entropy_quantile < 1."""
+    if settings.get("top_entropy_quantile", 1.0) < 1:
+        return ["memory", "sparse"]
+    return ["memory", "speed", "sparse"]
+
+
+def option_cases(options, loss_types):
+    """pytest params (loss type, option name, schedule) of every loss type x option x valid schedule, and the
+    options by name."""
+    cases = [
+        pytest.param(loss_type, name, schedule, id=f"{loss_type}-{name}-{schedule}")
+        for loss_type in loss_types
+        for name, extra, _ in options
+        for schedule in valid_schedules(extra)
+    ]
+    return cases, {name: (extra, inputs) for name, extra, inputs in options}
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:

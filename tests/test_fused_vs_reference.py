@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from cases import TILES, assert_matches, make_inputs, run_fused, run_reference
+from cases import TILES, assert_matches, make_inputs, option_cases, run_fused, run_reference
 
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, tiling
 from compiled_grpo.schedules import sparse, speed
@@ -57,19 +57,7 @@ def settings_for(loss_type, extra):
     return s
 
 
-def schedules(settings):
-    if settings.get("top_entropy_quantile", 1.0) < 1:
-        return ["memory", "sparse"]
-    return ["memory", "speed", "sparse"]
-
-
-CASES = [
-    pytest.param(loss_type, name, schedule, id=f"{loss_type}-{name}-{schedule}")
-    for loss_type in LOSS_TYPES
-    for name, extra, _ in OPTIONS
-    for schedule in schedules(extra)
-]
-OPTION = {name: (extra, inputs) for name, extra, inputs in OPTIONS}
+CASES, OPTION = option_cases(OPTIONS, LOSS_TYPES)
 
 
 def check(loss_type, name, schedule, dtype, rtol, seed=0):

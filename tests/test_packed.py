@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from cases import TILES, assert_matches, make_inputs, run_fused
+from cases import TILES, assert_matches, make_inputs, option_cases, run_fused
 from torch._dynamo.utils import counters
 
 from audits.harness import leaves, pack, run_packed_reference
@@ -35,17 +35,7 @@ OPTIONS = [
 ]
 
 
-def schedules(settings):
-    return ["memory", "sparse"] if settings.get("top_entropy_quantile", 1.0) < 1 else ["memory", "speed", "sparse"]
-
-
-CASES = [
-    pytest.param(loss_type, name, schedule, id=f"{loss_type}-{name}-{schedule}")
-    for loss_type in LOSS_TYPES
-    for name, extra, _ in OPTIONS
-    for schedule in schedules(extra)
-]
-OPTION = {name: (extra, inputs) for name, extra, inputs in OPTIONS}
+CASES, OPTION = option_cases(OPTIONS, LOSS_TYPES)
 
 
 def settings_for(loss_type, extra, T):
