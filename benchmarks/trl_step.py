@@ -38,13 +38,13 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def trainer(cls, model, out: Path, on_gpu: bool, completion: int):
+def trainer(cls, model, out: Path, on_gpu: bool, completion: int, schedule: str = "auto"):
     args = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=8, num_generations=8, report_to=[], save_strategy="no",
         max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
     )  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a"] * 8})
-    extra = {"compiled": on_gpu} if cls is CompiledGRPOTrainer else {}
+    extra = {"compiled": on_gpu, "schedule": schedule} if cls is CompiledGRPOTrainer else {}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
             train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
     t.current_gradient_accumulation_steps = 1  # set by train(); this step runs outside it
@@ -94,6 +94,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="docs/benchmarks/trl-step.md")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--schedules", default="auto", help="CompiledGRPOTrainer's schedules to run, comma-separated")
     args = ap.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.tiny
     device = "cuda" if on_gpu else "cpu"
@@ -104,10 +105,12 @@ def main(argv=None):
     model = model.to(device, torch.bfloat16 if on_gpu else torch.float32)
     inputs = micro_batch(shape["vocab_size"], device, C=completion)
     rows = []
-    for cls in (GRPOTrainer, CompiledGRPOTrainer):
-        t = trainer(cls, model, Path("/tmp") / cls.__name__, on_gpu, completion)
+    runs = [(GRPOTrainer, "")] + [(CompiledGRPOTrainer, s) for s in args.schedules.split(",")]
+    for cls, schedule in runs:
+        t = trainer(cls, model, Path("/tmp") / cls.__name__, on_gpu, completion, schedule or "auto")
         ms, peak = measure(t, inputs, args.repeats, on_gpu)
-        rows.append({"trainer": cls.__name__, "ms": ms, "peak_gib": peak})
+        name = cls.__name__ + (f' (schedule="{schedule}")' if schedule else "")
+        rows.append({"trainer": name, "ms": ms, "peak_gib": peak})
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if on_gpu else "CPU"
     import transformers
@@ -125,7 +128,7 @@ def main(argv=None):
         "|---|---|---|",
         *[f"| {r['trainer']} | {r['ms']:.1f} | {r['peak_gib']:.2f} |" for r in rows],
         "",
-        f"CompiledGRPOTrainer: {rows[0]['ms'] / rows[1]['ms']:.2f}x faster.",
+        *[f"{r['trainer']}: {rows[0]['ms'] / r['ms']:.2f}x GRPOTrainer's speed." for r in rows[1:]],
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
