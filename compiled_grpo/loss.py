@@ -181,7 +181,7 @@ class FusedLinearGRPOLoss:
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
-        engine = passes.Engine(self.kernels, Tiles.for_device(inputs.hidden.device, self.tile_overrides), shard)
+        engine = passes.Engine(self.kernels, Tiles.for_device(inputs.hidden.device, **self.tile_overrides), shard)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = _with_reference_logps(inputs, engine, self.config)
         objective = Objective(self.config, inputs, step, self.process_group)

@@ -37,8 +37,8 @@ class Tiles:
     accumulating_speed_tile: int = 0
 
     @classmethod
-    def for_device(cls, device: torch.device, overrides: dict[str, int]) -> Tiles:
-        """Large GEMMs on a GPU, cache-sized ones on a CPU; `overrides` (the constructor's) win."""
+    def for_device(cls, device: torch.device, **overrides: int) -> Tiles:
+        """Large GEMMs on a GPU, cache-sized ones on a CPU; `overrides` (the constructor's tile options) win."""
         if device.type == "cuda":
             tiles = cls(token_tile=8192, tail_tile=128, vocab_tile=8192, stats_rows=1024, speed_tile=2048,
                         speed_group=4096, sparse_tile=512)  # fmt: skip
