@@ -14,21 +14,19 @@ tiles and asks the objective for the loss.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import inspect
 from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, schedules, streaming, tiling, validation
+from . import distributed, schedules, validation
 from .config import SETTING_NAMES, GRPOLossConfig
 from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels
 from .objectives import Objective, Step
-from .packing import Packing
-from .schedules import SCHEDULES, memory, passes
+from .packing import lay_out
+from .schedules import SCHEDULES, passes
 from .tiling import TILE_NAMES, Tiles
 
 
@@ -39,18 +37,6 @@ class GRPOLossOutput:
     per_token_logps: torch.Tensor | None = None  # [B,T], detached, 0 where masked
     entropy: torch.Tensor | None = None  # [B,T], detached, 0 where masked
     entropy_mask: torch.Tensor | None = None  # [B,T] bool, None when top_entropy_quantile == 1
-
-
-def unknown_names(given, valid, where: str) -> None:
-    """A TypeError naming `where` and, for each unknown name, the closest valid one."""
-    unknown = sorted(set(given) - set(valid))
-    if not unknown:
-        return
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, valid, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise TypeError(f"{where} got unknown keyword(s): {', '.join(hints)}")
 
 
 class FusedLinearGRPOLoss:
@@ -81,7 +67,7 @@ class FusedLinearGRPOLoss:
         vocab_parallel_group=None,
         **settings,
     ):
-        unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
+        validation.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
         self.config = GRPOLossConfig(**settings)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -143,9 +129,10 @@ class FusedLinearGRPOLoss:
         in order), the per-token inputs and optionally row_index (the hidden row predicting it);
         advantages and importance_sampling_ratio per token or per sequence. The loss is the padded call's with
         each sequence left-aligned in its own row; outputs come back per token."""
-        unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
+        validation.unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
         tensors = {k: v for k, v in locals().items() if k in LOSS_INPUT_NAMES}
-        inputs, packing = self._laid_out(LossInputs(**tensors), segment_ids, num_sequences, row_index)
+        packed = (segment_ids, num_sequences, row_index)
+        inputs, packing = lay_out(LossInputs(**tensors), packed, self.validate)
         inputs = inputs.under_autocast()
         if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
             raise ValueError("gradient_accumulation_steps and steps_per_generation must be positive")
@@ -165,25 +152,11 @@ class FusedLinearGRPOLoss:
         return GRPOLossOutput(out.loss, out.metrics, *map(packing.pack, (out.per_token_logps, out.entropy,
                                                                              out.entropy_mask)))  # fmt: skip
 
-    def _laid_out(self, inputs: LossInputs, segment_ids, num_sequences, row_index):
-        """(inputs in the padded layout, the packing or None): a packed call's [M] inputs laid out as [S, T]."""
-        if segment_ids is None:
-            if num_sequences is not None or row_index is not None:
-                raise ValueError("num_sequences and row_index belong to a packed call: pass segment_ids too")
-            return inputs, None
-        validation.check_packed(inputs, segment_ids, row_index, num_sequences)
-        if self.validate:
-            sequences = int(segment_ids.max()) + 1 if num_sequences is None and segment_ids.numel() else num_sequences
-            validation.check_packed_values(segment_ids, row_index, inputs.hidden.shape[0], sequences or 0)
-        packing = Packing.of(segment_ids, num_sequences, row_index)
-        validation.check_per_sequence(inputs, packing)
-        return inputs.unpacked(packing), packing
-
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
         engine = passes.Engine(self.kernels, Tiles.for_device(inputs.hidden.device, **self.tile_overrides), shard)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
-            inputs = _with_reference_logps(inputs, engine, self.config)
+            inputs = passes.with_reference_logps(engine, inputs, self.config)
         objective = Objective(self.config, inputs, step, self.process_group)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
@@ -204,23 +177,6 @@ class FusedLinearGRPOLoss:
         return inputs
 
 
-def _with_reference_logps(inputs: LossInputs, engine: passes.Engine, cfg: GRPOLossConfig) -> LossInputs:
-    """The inputs with ref_per_token_logps streamed from the reference head (ref_hidden, ref_weight, ref_bias,
-    each defaulting to the policy's), without gradient."""
-    hidden = inputs.hidden if inputs.ref_hidden is None else inputs.ref_hidden
-    weight, bias = (inputs.weight, inputs.bias) if inputs.ref_weight is None else (inputs.ref_weight, inputs.ref_bias)
-    mask = inputs.completion_mask
-    plan = memory.plan(engine, mask)
-    with torch.no_grad():
-        slots = passes.gather_slots(
-            hidden.detach(), inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows
-        )
-        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x))
-        logp, _, _ = passes.statistics_pass(engine, slots.x, slots.targets, head.detached(), plan.tiles)
-        ref = tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
-    return dataclasses.replace(inputs, ref_per_token_logps=ref)
-
-
 def _parameters(function, kinds) -> tuple[str, ...]:
     return tuple(p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds)
 
@@ -235,6 +191,6 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, completion_mask, adva
     """Functional form: every constructor option, setting and call input as a keyword. Builds the loss on every
     call (the compiled tiles are shared across calls by torch.compile's cache, keyed on shapes)."""
     built = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTING_NAMES or k in CONSTRUCTOR_OPTIONS}
-    unknown_names(kwargs, SETTING_NAMES + CONSTRUCTOR_OPTIONS + CALL_INPUTS, "fused_linear_grpo_loss()")
+    validation.unknown_names(kwargs, SETTING_NAMES + CONSTRUCTOR_OPTIONS + CALL_INPUTS, "fused_linear_grpo_loss()")
     loss_fn = FusedLinearGRPOLoss(**built)
     return loss_fn(hidden, weight, completion_ids, completion_mask, advantages, **kwargs)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import validation
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -57,3 +59,20 @@ class Packing:
     def pack(self, padded: torch.Tensor | None) -> torch.Tensor | None:
         """[S, T] -> [M] per target."""
         return None if padded is None else padded.reshape(-1).index_select(0, self.position)
+
+
+def lay_out(inputs, packed: tuple, validate: bool):
+    """(inputs in the padded layout, their Packing or None) of a call; `packed` = (segment_ids, num_sequences,
+    row_index), all None for a padded call. Checks a packed call's shapes, and its values when `validate`."""
+    segment_ids, num_sequences, row_index = packed
+    if segment_ids is None:
+        if num_sequences is not None or row_index is not None:
+            raise ValueError("num_sequences and row_index belong to a packed call: pass segment_ids too")
+        return inputs, None
+    validation.check_packed(inputs, segment_ids, row_index, num_sequences)
+    if validate:
+        sequences = int(segment_ids.max()) + 1 if num_sequences is None and segment_ids.numel() else num_sequences
+        validation.check_packed_values(segment_ids, row_index, inputs.hidden.shape[0], sequences or 0)
+    packing = Packing.of(segment_ids, num_sequences, row_index)
+    validation.check_per_sequence(inputs, packing)
+    return inputs.unpacked(packing), packing

@@ -6,6 +6,8 @@ host and can be turned off with `validate=False`.
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -149,3 +151,15 @@ def check_per_sequence(inputs, packing) -> None:
         x = getattr(inputs, name)
         if x is not None and x.shape[0] not in (M, S):
             _fail(name, f"a packed call expects [{M}] (per target) or [{S}] (per sequence), got {tuple(x.shape)}")
+
+
+def unknown_names(given, valid, where: str) -> None:
+    """A TypeError naming `where` and, for each unknown name, the closest valid one."""
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(f"{where} got unknown keyword(s): {', '.join(hints)}")
