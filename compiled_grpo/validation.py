@@ -10,8 +10,9 @@ import difflib
 
 import torch
 
+from .inputs import PER_TOKEN
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-PER_TOKEN_NAMES = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
 
 
 def _fail(name: str, why: str, error=ValueError):
@@ -116,7 +117,7 @@ def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:
     if ids.dim() != 1:
         _fail("completion_ids", f"a packed call expects [M] targets, got shape {tuple(ids.shape)}")
     M = ids.shape[0]
-    for name in ("completion_mask", "segment_ids", *PER_TOKEN_NAMES):
+    for name in ("completion_mask", "segment_ids", *PER_TOKEN):
         x = segment_ids if name == "segment_ids" else getattr(inputs, name)
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape != (M,)):
             _fail(name, f"a packed call expects [{M}] (one per target), got {getattr(x, 'shape', type(x))}")

@@ -4,7 +4,8 @@ memory: statistics forward, gradients recomputed vocabulary-outer in the backwar
 speed:  statistics and gradients on the same logits, tile by tile (6NHV; not with top_entropy_quantile < 1).
 sparse: statistics forward, gradients recomputed only for the rows whose upstream gradient is non-zero
         (2NHV + 6nHV for n such rows).
-Each module owns its plan, its workspace estimate, its autograd Function and its tile loop.
+Each module owns its plan, its autograd Function and its tile loop; speed and sparse also estimate their
+workspace, which "auto" compares with a budget (memory is the fallback, whose workspace is a logits tile).
 """
 
 from __future__ import annotations

@@ -26,15 +26,6 @@ def plan(engine: Engine, mask) -> TilePlan:
     return tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)
 
 
-def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
-    """Bytes beyond the inputs and the gradients: the larger of the statistics pass's float32 logits and the
-    backward's logits tile (float32 and its 16-bit gradient), plus a float32 dW slice sum with several tiles."""
-    t, vocab = engine.tiles, head.weight.shape[0]
-    widest = max((n for _, n in plan.tiles), default=0)
-    backward = 6 * widest * t.vocab_tile + (4 * t.vocab_tile * head.weight.shape[1] if len(plan.tiles) > 1 else 0)
-    return max(4 * t.stats_rows * vocab, backward)
-
-
 @dataclass(frozen=True)
 class Recompute:
     """What a recomputing backward needs besides the tensors autograd tracks."""
