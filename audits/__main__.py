@@ -4,7 +4,7 @@
     python -m audits --full                 # larger sizes, two seeds, more vocabulary sizes, 2**24+ ties
     python -m audits --device cuda --out audit-report
 
-Exit status 0 when every cell passes, 1 when any fails.
+Exit status 0 when every cell passes, 1 when any fails, 2 on a selection that checks nothing.
 """
 
 from __future__ import annotations
@@ -25,27 +25,46 @@ from compiled_grpo import LOSS_TYPES
 from . import entropy_audit, loss_audit, quantile_audit, report
 
 
+AUDITS = ("loss", "quantile", "entropy")
+MODES = ("eager", "compiled")
+
+
+def program_name() -> str:
+    """How the audit was started: `compiled-grpo-audit` (the installed script) or `python -m audits`."""
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return script if script.startswith("compiled-grpo-audit") else "python -m audits"
+
+
+def comma_list(ap, flag: str, text: str, valid: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated subset of `valid`, in the given order; an error naming the valid values otherwise."""
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    unknown = [v for v in values if v not in valid]
+    if unknown or not values:
+        why = f"unknown value(s) {unknown}" if unknown else "selects nothing"
+        ap.error(f"{flag} {text!r}: {why}; valid values: {', '.join(valid)}")
+    return values
+
+
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m audits", description=__doc__,
+    ap = argparse.ArgumentParser(prog=program_name(), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the default: small sizes, one seed")
     size.add_argument("--full", action="store_true", help="larger sizes, two seeds, more vocabularies")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
-    ap.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
-    ap.add_argument("--loss-types", default=",".join(LOSS_TYPES), help="comma-separated subset of loss types")
-    ap.add_argument("--only", default="loss,quantile,entropy", help="comma-separated audits to run")
-    ap.add_argument("--out", default="audit-report", help="folder for audit.md and the PNG plots")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
+    ap.add_argument("--loss-types", default=",".join(LOSS_TYPES),
+                    help=f"comma-separated subset of: {', '.join(LOSS_TYPES)}")  # fmt: skip
+    ap.add_argument("--only", default=",".join(AUDITS), help=f"comma-separated subset of: {', '.join(AUDITS)}")
+    ap.add_argument("--out", default="audit-report",
+                    help="folder for audit.md and the PNG plots (a run replaces the report and plots there)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
-    args.modes = tuple(m for m in args.modes.split(",") if m)
-    args.loss_types = tuple(t for t in args.loss_types.split(",") if t)
-    args.only = set(args.only.split(","))
-    bad = set(args.modes) - {"eager", "compiled"} or set(args.loss_types) - set(LOSS_TYPES)
-    if bad:
-        ap.error(f"unknown value(s): {sorted(bad)}")
+    args.modes = comma_list(ap, "--modes", args.modes, MODES)
+    args.loss_types = comma_list(ap, "--loss-types", args.loss_types, LOSS_TYPES)
+    args.only = set(comma_list(ap, "--only", args.only, AUDITS))
     return args
 
 
@@ -77,8 +96,10 @@ def main(argv=None) -> int:
             progress.update(task, description="streaming entropy vs scipy")
             results += entropy_audit.run(args.full, advance)
     report.print_table(results, console)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not results:  # every selection above is non-empty, so this would be a bug: never a PASS on nothing
+        console.print("[bold red]no audit cell ran: nothing was checked[/]")
+        return 2
+    out = report.clean_folder(Path(args.out))
     header = [
         f"- sweep: {'full' if args.full else 'quick'}; device {args.device}; dtypes {', '.join(dtypes)}; "
         f"modes {', '.join(args.modes)}; loss types {', '.join(args.loss_types)}",

@@ -64,9 +64,22 @@ def write_markdown(results: list[CellResult], out: Path, header: list[str], plot
             f"| {r.group} | `{r.name.strip()}` | {'pass' if r.passed else '**FAIL**'} | {w.what} | "
             f"{_fmt(w.error)} | {_fmt(w.tolerance)} |"
         )
-    path = out / "audit.md"
+    path = out / REPORT
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+PLOTS = ("loss_error_heatmap.png", "entropy_error_vs_vocab.png", "bf16_error_distribution.png")
+REPORT = "audit.md"
+
+
+def clean_folder(out: Path) -> Path:
+    """`out`, created if needed, without a previous run's report and plots (other files are left alone), so a
+    report never sits beside plots of another run."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (REPORT, *PLOTS):
+        (out / name).unlink(missing_ok=True)
+    return out
 
 
 def write_plots(results: list[CellResult], out: Path) -> list[str]:
@@ -116,7 +129,7 @@ def _heatmaps(plt, loss: list[CellResult], out: Path) -> str:
                 ax.text(j, i, f"{grid[i][j]:.1f}", ha="center", va="center", color="w", fontsize=8)
         ax.set_title(f"{dtype}: log10 worst relative error\n(loss and gradients, all levels, modes, schedules)")
         fig.colorbar(im, ax=ax)
-    return _save(plt, fig, out, "loss_error_heatmap.png")
+    return _save(plt, fig, out, PLOTS[0])
 
 
 def _entropy_vs_vocab(plt, entropy: list[CellResult], out: Path) -> str:
@@ -134,7 +147,7 @@ def _entropy_vs_vocab(plt, entropy: list[CellResult], out: Path) -> str:
     ax.set_ylabel("|entropy - scipy| (nats, floor 1e-12)")
     ax.set_title("Streaming entropy error against scipy (float64)")
     ax.legend(fontsize=7)
-    return _save(plt, fig, out, "entropy_error_vs_vocab.png")
+    return _save(plt, fig, out, PLOTS[1])
 
 
 def _bf16_distribution(plt, bf16: list[CellResult], out: Path) -> str:
@@ -150,4 +163,4 @@ def _bf16_distribution(plt, bf16: list[CellResult], out: Path) -> str:
     ax.set_ylabel("cells")
     ax.set_title("bf16 gradient errors across cells")
     ax.legend(fontsize=7)
-    return _save(plt, fig, out, "bf16_error_distribution.png")
+    return _save(plt, fig, out, PLOTS[2])

@@ -50,7 +50,37 @@ def test_audit_fails_on_a_per_chunk_entropy_threshold(tmp_path, capsys, monkeypa
     assert "NOT within rounding" in report
 
 
-@pytest.mark.parametrize("argv", [["--modes", "jit"], ["--loss-types", "ppo"]])
-def test_bad_arguments(argv):
+@pytest.mark.parametrize(
+    "argv, valid",
+    [
+        (["--modes", "jit"], "eager, compiled"),
+        (["--loss-types", "ppo"], "grpo"),
+        (["--only", "bogus"], "loss, quantile, entropy"),
+        (["--only", ","], "loss, quantile, entropy"),
+        (["--modes", ""], "eager, compiled"),
+    ],
+)
+def test_a_selection_that_checks_nothing_is_refused(argv, valid, tmp_path, capsys):
+    """Never a PASS on zero cells: a non-zero exit, an error naming the valid values, no report written."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path)])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "valid values" in err and valid in err
+    assert not (tmp_path / "audit.md").exists()
+
+
+def test_help_lists_the_values(capsys):
     with pytest.raises(SystemExit):
-        main(argv)
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "loss, quantile, entropy" in out and "eager, compiled" in out and "dapo" in out
+
+
+def test_a_run_replaces_the_last_runs_report_and_plots(tmp_path):
+    (tmp_path / "bf16_error_distribution.png").write_bytes(b"stale")
+    (tmp_path / "notes.txt").write_text("kept")
+    assert main(["--only", "quantile", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "bf16_error_distribution.png").exists()  # no bf16 cell ran: no bf16 plot
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+    assert "quantile" in (tmp_path / "audit.md").read_text()

@@ -120,6 +120,13 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     slots = passes.gather_slots(hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
     x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
     dest = flat.destinations(plan.gradient)
+    if not differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
+        for s, n in tiles:  # the grad-mode tiles and kernel, so logp and entropy are bitwise the same
+            logp, entropy, _, _ = engine.kernels.statistics_and_product(x[s : s + n], targets[s : s + n], detached)
+            flat.write(dest[s : s + n], logp, entropy)
+        logp, entropy = flat.view(ids.shape)
+        loss, metrics = objective.loss_and_metrics(logp, entropy)
+        return loss, metrics, logp, entropy, None
     grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
     norms = None
     for s, n in tiles:
@@ -142,6 +149,12 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     d_bias = db.to(head.bias.dtype) if wanted.bias else None
     loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, (d_hidden, d_weight, d_bias))
     return loss, metrics, logp, entropy, None
+
+
+def differentiable(hidden, head: Head) -> bool:
+    """Whether the loss is to carry gradients: grad mode on and some lm_head input requiring them."""
+    tensors = (hidden, head.weight, head.bias)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def scatter_rows(dx, plan: TilePlan, hidden, rows=None):
