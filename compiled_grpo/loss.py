@@ -130,9 +130,23 @@ class FusedLinearGRPOLoss:
         advantages and importance_sampling_ratio per token or per sequence. The loss is the padded call's with
         each sequence left-aligned in its own row; outputs come back per token."""
         validation.unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
-        tensors = {k: v for k, v in locals().items() if k in LOSS_INPUT_NAMES}
-        packed = (segment_ids, num_sequences, row_index)
-        inputs, packing = lay_out(LossInputs(**tensors), packed, self.validate)
+        given = LossInputs(
+            hidden,
+            weight,
+            completion_ids,
+            completion_mask,
+            advantages,
+            bias=bias,
+            old_per_token_logps=old_per_token_logps,
+            ref_per_token_logps=ref_per_token_logps,
+            sampling_per_token_logps=sampling_per_token_logps,
+            importance_sampling_ratio=importance_sampling_ratio,
+            ref_hidden=ref_hidden,
+            ref_weight=ref_weight,
+            ref_bias=ref_bias,
+        )
+        validation.check_devices(given)
+        inputs, packing = lay_out(given, (segment_ids, num_sequences, row_index), self.validate)
         inputs = inputs.under_autocast()
         if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
             raise ValueError("gradient_accumulation_steps and steps_per_generation must be positive")
@@ -160,7 +174,10 @@ class FusedLinearGRPOLoss:
         objective = Objective(self.config, inputs, step, self.process_group)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
-        return GRPOLossOutput(*schedule.run(engine, objective, head, plan))
+        out = GRPOLossOutput(*schedule.run(engine, objective, head, plan))
+        if self.validate:
+            validation.check_statistics(inputs, out.per_token_logps, out.entropy)
+        return out
 
     def _checked(self, inputs: LossInputs) -> LossInputs:
         """Shapes and dtypes always, values unless validate=False; DTensor weights gathered."""
@@ -184,7 +201,6 @@ def _parameters(function, kinds) -> tuple[str, ...]:
 _KEYWORD = (inspect.Parameter.KEYWORD_ONLY,)
 CONSTRUCTOR_OPTIONS = _parameters(FusedLinearGRPOLoss.__init__, _KEYWORD)
 CALL_INPUTS = _parameters(FusedLinearGRPOLoss.__call__, _KEYWORD)
-LOSS_INPUT_NAMES = tuple(LossInputs.__dataclass_fields__)
 
 
 def fused_linear_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, **kwargs) -> GRPOLossOutput:

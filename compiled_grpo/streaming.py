@@ -112,7 +112,9 @@ def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
     log_s = torch.log(s)
     lse = m + log_s
     entropy = log_s - u / s
-    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    # Clamped: an id outside the vocabulary (reachable only with validate=False) gives a meaningless logp, not a
+    # device-side assert that would end the process (fused into the gather: no extra pass).
+    logp = z.gather(-1, targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) - lse
     return logp, entropy, lse
 
 

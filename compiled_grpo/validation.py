@@ -76,6 +76,38 @@ def check_shapes(inputs) -> None:
             _fail("ref_weight", f"expected the shape of weight {tuple(weight.shape)}, got {tuple(ref_weight.shape)}")
 
 
+def check_devices(inputs) -> None:
+    """Every tensor on hidden's device (a TypeError naming the first that is not), before any kernel sees them."""
+    if not isinstance(inputs.hidden, torch.Tensor):
+        return  # check_shapes names it
+    device = inputs.hidden.device
+    for name in TENSOR_INPUTS:
+        x = getattr(inputs, name)
+        if isinstance(x, torch.Tensor) and x.device != device:
+            _fail(name, f"is on {x.device}, hidden on {device}: every input must be on one device", TypeError)
+
+
+TENSOR_INPUTS = ("weight", "bias", "completion_ids", "completion_mask", "advantages", *PER_TOKEN,
+                 "importance_sampling_ratio", "ref_hidden", "ref_weight", "ref_bias")  # fmt: skip
+
+
+def check_statistics(inputs, logp, entropy) -> None:
+    """After the statistics pass: a non-finite log-prob or entropy at an active position comes from a NaN or an
+    infinity in hidden (at an active position), weight or bias, which is named. This costs a [B, T] reduction and
+    one wait on the device, where checking the inputs up front would read the whole lm_head every call."""
+    active = inputs.completion_mask.bool()
+    if bool((~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()):
+        return
+    flat = inputs.hidden.reshape(-1, inputs.hidden.shape[-1])
+    positions = active.reshape(-1).nonzero().squeeze(1)
+    rows = positions if inputs.hidden_rows is None else inputs.hidden_rows[positions]
+    for name, x in (("hidden", flat.index_select(0, rows)), ("weight", inputs.weight), ("bias", inputs.bias)):
+        if x is not None and not bool(torch.isfinite(x).all()):
+            where = " at an active position" if name == "hidden" else ""
+            _fail(name, f"NaN or infinite value{where}: the log-probs and entropies would be NaN")
+    _fail("hidden", "the logits overflowed: a log-prob or entropy at an active position is not finite")
+
+
 def check_values(inputs, vocab: int) -> None:
     """Host-syncing checks of the values at active positions; `vocab` is the whole vocabulary's size."""
     ids, mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages

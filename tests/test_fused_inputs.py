@@ -49,15 +49,15 @@ def test_speed_with_entropy_quantile_says_why():
         FusedLinearGRPOLoss(schedule="speed", top_entropy_quantile=0.2)
 
 
-def call(x, settings=None, **overrides):
+def call(x, settings=None, schedule="auto", **overrides):
     x = {**x, **overrides}
     args = [x.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
-    return FusedLinearGRPOLoss(compiled=False, **TILES, **(settings or {}))(*args, **x)
+    return FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **(settings or {}))(*args, **x)
 
 
-def bad(x, name, **overrides):
+def bad(x, name, settings=None, schedule="auto", **overrides):
     with pytest.raises((ValueError, TypeError), match=name):
-        call(x, **overrides)
+        call(x, settings, schedule, **overrides)
 
 
 def test_bad_inputs_name_the_argument():
@@ -104,6 +104,44 @@ def test_bad_values_at_active_positions():
     out = call(x, {"off_policy_mask_threshold": 0.1}, old_per_token_logps=poisoned, completion_ids=ids,
                sampling_per_token_logps=sampling)  # fmt: skip
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
+def test_non_finite_hidden_or_weight_is_named(schedule):
+    """NaN or inf in hidden (at an active position), weight or bias: an error naming it, never a NaN loss; at a
+    masked position of hidden, anything goes."""
+    x = make_inputs(dtype=torch.float32, bias=True)
+    m = x["completion_mask"].bool()
+    hidden = x["hidden"].clone()
+    hidden[0, 0, 3] = float("nan")
+    bad(x, "hidden", {}, schedule, hidden=hidden)
+    weight = x["weight"].clone()
+    weight[5, 1] = float("inf")
+    bad(x, "weight", {}, schedule, weight=weight)
+    bias = x["bias"].clone()
+    bias[7] = float("-inf")
+    bad(x, "bias", {}, schedule, bias=bias)
+    masked = torch.where(m.unsqueeze(-1), x["hidden"], float("nan"))
+    assert torch.isfinite(call(x, {}, schedule, hidden=masked).loss)
+
+
+def test_inputs_on_another_device_are_named():
+    x = make_inputs(dtype=torch.float32, bias=True)
+    on_meta = lambda t: torch.empty_like(t, device="meta")
+    for name in ("weight", "bias", "completion_ids", "advantages", "old_per_token_logps"):
+        with pytest.raises(TypeError, match=f"{name}: is on meta, hidden on cpu"):
+            call(x, **{name: on_meta(x[name])})
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("schedule", ["memory", "speed"])
+def test_validate_false_out_of_range_id_does_not_end_the_process(schedule):
+    """Unchecked ids outside the vocabulary give meaningless values for those tokens, not a device-side assert."""
+    x = make_inputs(dtype=torch.float32)
+    x["completion_ids"][0, 0] = x["weight"].shape[0] + 5
+    loss_fn = FusedLinearGRPOLoss(compiled=True, validate=False, schedule=schedule, **TILES)
+    out, _ = run_fused(loss_fn, x)
+    assert out.per_token_logps.shape == x["completion_ids"].shape
 
 
 def test_validate_false_skips_host_checks():
