@@ -24,7 +24,6 @@ from compiled_grpo import LOSS_TYPES
 
 from . import entropy_audit, loss_audit, quantile_audit, report
 
-
 AUDITS = ("loss", "quantile", "entropy")
 MODES = ("eager", "compiled")
 
@@ -57,8 +56,11 @@ def parse(argv):
     ap.add_argument("--loss-types", default=",".join(LOSS_TYPES),
                     help=f"comma-separated subset of: {', '.join(LOSS_TYPES)}")  # fmt: skip
     ap.add_argument("--only", default=",".join(AUDITS), help=f"comma-separated subset of: {', '.join(AUDITS)}")
-    ap.add_argument("--out", default="audit-report",
-                    help="folder for audit.md and the PNG plots (a run replaces the report and plots there)")
+    ap.add_argument(
+        "--out",
+        default="audit-report",
+        help="folder for audit.md and the PNG plots (a run replaces the report and plots there)",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")

@@ -8,7 +8,7 @@ It equals, in plain torch (with logits materialized, which this never does):
 
 and returns TRL's metrics, the per-token logp and entropy, and the entropy mask (docs/semantics.md says what
 is computed, docs/usage.md how to call it). A call flows: inputs checked -> the batch
-objective (`objectives.Objective`) -> `schedules.choose` -> the schedule's `run`, which streams the lm_head
+objective (`batch_objective.Objective`) -> `schedules.choose` -> the schedule's `run`, which streams the lm_head
 tiles and asks the objective for the loss.
 """
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from . import distributed, schedules, validation
+from .batch_objective import Objective, Step
 from .config import SETTING_NAMES, GRPOLossConfig
 from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels
-from .objectives import Objective, Step
 from .packing import lay_out
 from .schedules import SCHEDULES, passes
 from .tiling import TILE_NAMES, Tiles

@@ -10,8 +10,8 @@ import contextlib
 import pytest
 import torch
 from cases import TILES, make_inputs
-from audits.harness import POSITIONAL
 
+from audits.harness import POSITIONAL
 from compiled_grpo import FusedLinearGRPOLoss
 
 CONTEXTS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import quantile, tiling
+from ..batch_objective import Objective
 from ..head import Head
-from ..objectives import Objective
 from ..streaming import RowGradients
 from ..tiling import TilePlan
 from . import passes

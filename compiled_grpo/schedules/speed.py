@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import streaming, tiling
+from ..batch_objective import Objective
 from ..head import Head
-from ..objectives import Objective
 from ..streaming import RowGradients
 from ..tiling import TilePlan
 from . import passes
