@@ -7,19 +7,22 @@ dapo, forward + backward. Medians over --repeats runs after warm-up, every metho
 Scenarios where part of the batch has no gradient, against the dense speed schedule of the same run:
 top_entropy_quantile 0.2, half the sequences at advantage 0, and both.
 
-    python -m benchmarks.cpu [--repeats 10] [--out docs/benchmarks/cpu.md]
+    python -m benchmarks.cpu [--repeats 10] [--out benchmark-results]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks import plots
 from benchmarks.rows import gradient_rows
 from compiled_grpo import FusedLinearGRPOLoss
 
@@ -92,9 +95,9 @@ def fused(loss_fn):
     return run
 
 
-def scenario_rows(batch, repeats: int, dense_speed: float) -> list[str]:
-    """Markdown rows: each scenario with every valid compiled schedule and auto, against the dense speed time."""
-    lines = []
+def scenario_rows(batch, repeats: int) -> list[dict]:
+    """Each scenario with every valid compiled schedule and auto."""
+    rows = []
     for scenario, (settings, zero_rows) in SCENARIOS.items():
         hidden, weight, ids, mask, adv = batch
         adv = adv.clone()
@@ -106,9 +109,11 @@ def scenario_rows(batch, repeats: int, dense_speed: float) -> list[str]:
             t = median_seconds(fn, (hidden, weight, ids, mask, adv), repeats)
             with gradient_rows() as counts:
                 fn(hidden, weight, ids, mask, adv)
+            row = {"shape": scenario, "method": f"compiled_grpo {schedule}, compiled", "ms": t * 1e3,
+                   "gradient_rows": sum(counts)}  # fmt: skip
             print(f"{scenario:40s} {schedule:7s} {t * 1e3:8.1f} ms, {sum(counts)} gradient rows", flush=True)
-            lines.append(f"| {scenario} | {schedule} | {t * 1e3:.1f} | {t / dense_speed:.2f} | {sum(counts)} |")
-    return lines
+            rows.append(row)
+    return rows
 
 
 def median_seconds(fn, batch, repeats, warmup=2):
@@ -122,14 +127,18 @@ def median_seconds(fn, batch, repeats, warmup=2):
     return statistics.median(times)
 
 
+DENSE = "dense (800 active tokens)"
+FLOOR_NAME = "floor: three lm_head GEMMs over active tokens"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default="docs/benchmarks/cpu.md")
+    ap.add_argument("--out", default="benchmark-results", help="folder for cpu.md, cpu.json and cpu.png")
     args = ap.parse_args(argv)
     batch = make_batch()
     methods = {
-        "three lm_head GEMMs over active tokens (floor)": gemm_floor,
+        FLOOR_NAME: gemm_floor,
         "full logits + autograd": full_logits,
         "TRL 1.16 CPU path + loss": trl_cpu_path(),
         "compiled_grpo speed, eager": fused(FusedLinearGRPOLoss(compiled=False, schedule="speed")),
@@ -144,12 +153,31 @@ def main(argv=None):
             continue
         results[name] = median_seconds(fn, batch, args.repeats)
         print(f"{name:50s} {results[name] * 1e3:8.1f} ms", flush=True)
-    floor = results["three lm_head GEMMs over active tokens (floor)"]
+    floor = results[FLOOR_NAME]
+    rows = [{"shape": DENSE, "method": name, "ms": t * 1e3} for name, t in results.items()]
+    scenarios = scenario_rows(batch, args.repeats)
+    for scenario in SCENARIOS:  # the dense batch's floor beside each scenario, for the picture's line
+        rows.append({"shape": scenario, "method": f"{FLOOR_NAME} (all 800)", "ms": floor * 1e3})
+        rows += [r for r in scenarios if r["shape"] == scenario]
+    info = {"cpu": f"{platform.machine()} CPU, {torch.get_num_threads()} threads", "torch": torch.__version__,
+            "trl": md.version("trl") if "TRL 1.16 CPU path + loss" in results else "not installed"}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu.json").write_text(json.dumps({"versions": info, "rows": rows}, indent=1))
+    title = plots.run_title(f"{info['cpu']}, fp32, B=4 T=256 H=512 V=32000, torch {torch.__version__}", rows)
+    plots.draw(rows, out / "cpu.png", title)
+    lines = markdown(results, scenarios, args.repeats, info)
+    (out / "cpu.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'cpu.md'}, cpu.json, cpu.png")
+
+
+def markdown(results: dict, scenarios: list[dict], repeats: int, info: dict) -> list[str]:
+    floor = results[FLOOR_NAME]
     lines = [
         "# CPU benchmark: eager vs compiled",
         "",
-        f"fp32, B=4, T=256, H=512, V=32000, 800 active tokens, dapo, forward + backward; median of {args.repeats}"
-        f" runs. torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}.",
+        f"fp32, B=4, T=256, H=512, V=32000, 800 active tokens, dapo, forward + backward; median of {repeats}"
+        f" runs. torch {info['torch']}, {info['cpu']}.",
         "",
         "| method | time (ms) | / floor |",
         "|---|---|---|",
@@ -158,9 +186,8 @@ def main(argv=None):
     eager, comp = results["compiled_grpo speed, eager"], results["compiled_grpo speed, compiled"]
     lines += ["", f"compiled is {eager / comp:.2f}x faster than eager (speed schedule)."]
     trl = results.get("TRL 1.16 CPU path + loss")
-    versions = f"TRL {md.version('trl')}" if trl else "TRL not installed"
     if trl:
-        lines += [f"compiled speed schedule is {trl / comp:.2f}x faster than TRL's CPU path ({versions})."]
+        lines += [f"compiled speed schedule is {trl / comp:.2f}x faster than TRL's CPU path (TRL {info['trl']})."]
     lines += [
         "",
         "## Batches where part of the tokens have no gradient",
@@ -170,11 +197,11 @@ def main(argv=None):
         "",
         "| scenario | schedule | time (ms) | / dense speed | gradient rows |",
         "|---|---|---|---|---|",
-        *scenario_rows(batch, args.repeats, comp),
     ]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[-1:]))
+    lines += [f"| {r['shape']} | {r['method'].split()[1].rstrip(',')} | {r['ms']:.1f} | "
+              f"{r['ms'] / (comp * 1e3):.2f} | {r['gradient_rows']} |" for r in scenarios]  # fmt: skip
+    lines += ["", "![time per scenario and method](cpu.png)"]
+    return lines
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Scenarios beside the dense shapes: `-half0`, half the sequences at advantage 0 (
 completions tied, as GRPO batches with frac_reward_zero_std = 0.5); `-q0.2`, top_entropy_quantile = 0.2.
 
     python -m benchmarks.gpu [--shapes S1,S2,S3,S1-q0.2,S1-ref,S1-half0,S1-q0.2-half0,...] [--repeats 10]
-        [--out docs/benchmarks] [--methods "TRL;speed, compiled"] [--variants "sparse:sparse_tile=1024"]
+        [--out benchmark-results] [--methods "TRL;speed, compiled"] [--variants "sparse:sparse_tile=1024"]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import reference
+from benchmarks import plots
 from benchmarks.rows import gradient_rows
 from compiled_grpo import FusedLinearGRPOLoss
 
@@ -306,27 +307,8 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
             else:
                 lines.append(f"| {r['method']} | {r['status']} | | | | |")
         lines.append("")
-    lines += ["![time and memory against tokens](gpu.png)", ""]
+    lines += ["![time and peak memory per shape and method](gpu.png)", ""]
     (out / "gpu.md").write_text("\n".join(lines))
-
-
-def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plain = [r for r in rows if r["shape"] in ("S1", "S2", "S3") and "ms" in r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method in dict.fromkeys(r["method"] for r in plain):
-        pts = sorted((r["tokens"], r["ms"], r["peak_gib"]) for r in plain if r["method"] == method)
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-        b.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=method)
-    a.set(xlabel="active tokens", ylabel="fwd+bwd time (ms)", yscale="log", title="Time (S2, S1, S3)")
-    b.set(xlabel="active tokens", ylabel="peak memory above inputs (GiB)", yscale="log", title="Memory")
-    a.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "gpu.png", dpi=110)
 
 
 def main(argv=None):
@@ -340,8 +322,13 @@ def main(argv=None):
         help="extra compiled runs of this library, ';'-separated, each 'schedule:knob=value,...' "
         "(e.g. 'memory:vocab_tile=16384;speed:speed_tile=1024')",
     )
-    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--out", default="benchmark-results", help="folder for gpu.md, gpu.json and gpu.png")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (none is visible); on a CPU run `python -m benchmarks.cpu`")
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}; valid: {', '.join(SHAPES)}")
     if args.methods:
         keep = [k for k in args.methods.split(";") if k]
         for name in list(METHODS):
@@ -358,7 +345,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps({"versions": info, "rows": rows}, indent=1))
     write_markdown(rows, info, out, args.repeats)
-    plot(rows, out)
+    plots.draw(rows, out / "gpu.png", plots.run_title(f"{info['gpu']}, bf16, H={H}, V={V}", rows))
 
 
 if __name__ == "__main__":
