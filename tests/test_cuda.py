@@ -73,3 +73,18 @@ def test_speed_schedule_gradient_groups_on_gpu():
                                   **settings)  # fmt: skip
     out, out_grads = run_fused(loss_fn, x)
     assert_matches(out, out_grads, ref, ref_grads, rtol=1e-4)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("schedule", ["speed", "memory", "sparse"])
+def test_without_grad_mode_on_gpu(schedule, context):
+    """Old, reference and evaluation log-probs: bitwise the grad-mode call's, every schedule, compiled, bf16."""
+    x = on_cuda(make_inputs(seed=4, B=4, T=300, H=256, V=32003, dtype=torch.bfloat16, zero_advantage_rows=1))
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=schedule, loss_type="dapo")
+    grad_mode, _ = run_fused(loss_fn, x)
+    args = [x[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    with context():
+        out = loss_fn(*args, old_per_token_logps=x["old_per_token_logps"])
+    assert torch.equal(out.per_token_logps, grad_mode.per_token_logps)
+    assert torch.equal(out.entropy, grad_mode.entropy)
+    assert torch.equal(out.loss, grad_mode.loss.detach())
