@@ -1,7 +1,16 @@
 """compiled-grpo: the GRPO loss family (TRL 1.16.0 semantics) fused with the LM head, compile-first."""
 
 from .config import LOSS_TYPES, GRPOLossConfig
+from .logprobs import LogProbs, fused_linear_logprobs
 from .loss import FusedLinearGRPOLoss, GRPOLossOutput, fused_linear_grpo_loss
 
 __version__ = "0.1.0"
-__all__ = ["LOSS_TYPES", "FusedLinearGRPOLoss", "GRPOLossConfig", "GRPOLossOutput", "fused_linear_grpo_loss"]
+__all__ = [
+    "LOSS_TYPES",
+    "FusedLinearGRPOLoss",
+    "GRPOLossConfig",
+    "GRPOLossOutput",
+    "LogProbs",
+    "fused_linear_grpo_loss",
+    "fused_linear_logprobs",
+]

@@ -23,6 +23,15 @@ class Head(NamedTuple):
     bias: torch.Tensor | None  # [V]
     values: torch.Tensor  # [logit_scale, 1 / temperature, softcap], in the statistics dtype
     softcap: bool  # whether the model caps its logits (Gemma's final_logit_softcapping)
+    # [slots] 1 / temperature of each row, in place of values[INV_TEMP] (a per-token or per-sequence temperature
+    # of `fused_linear_logprobs`); None: one temperature for every row
+    row_inv_temp: torch.Tensor | None = None
+
+    def rows(self, start: int, size: int) -> Head:
+        """The head as slots start..start + size see it (their per-row temperatures)."""
+        if self.row_inv_temp is None:
+            return self
+        return self._replace(row_inv_temp=self.row_inv_temp[start : start + size])
 
     def vocab_slice(self, start: int, size: int) -> Head:
         bias = None if self.bias is None else self.bias[start : start + size]

@@ -176,7 +176,9 @@ class FusedLinearGRPOLoss:
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
         out = GRPOLossOutput(*schedule.run(engine, objective, head, plan))
         if self.validate:
-            validation.check_statistics(inputs, out.per_token_logps, out.entropy)
+            active = inputs.completion_mask.bool()
+            rows = lambda: validation.active_hidden_rows(inputs.hidden, active, inputs.hidden_rows)
+            validation.check_statistics(active, out.per_token_logps, out.entropy, rows, inputs.weight, inputs.bias)
         return out
 
     def _checked(self, inputs: LossInputs) -> LossInputs:

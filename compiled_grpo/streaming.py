@@ -6,7 +6,8 @@ come as NamedTuples (`head.Head`, `RowGradients`), which torch.compile traces fi
 may change between calls arrives as a tensor (`Head.values`: logit_scale, 1 / temperature, softcap), so new
 values never recompile; only the presence of a bias, of a softcap and of a bias gradient shape the graph.
 
-Logits of a tile: z = softcap(scale * (x @ W.T + b)) * inv_temp, in float32 from input-dtype GEMMs.
+Logits of a tile: z = softcap(scale * (x @ W.T + b)) * inv_temp, in float32 from input-dtype GEMMs (inv_temp one
+value, or one per row: `Head.row_inv_temp`).
 Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
   lse = m + log S,  H = log S - U / S  (no cancellation for huge logits or near-zero entropy),
   logp = z[y] - lse.
@@ -27,7 +28,8 @@ from .head import CAP, INV_TEMP, SCALE, Head
 
 class RowGradients(NamedTuple):
     """Per token of a tile, what the gradient of its logits needs: the target, the statistics of the
-    statistics pass and the objective's gradients with respect to logp and entropy."""
+    statistics pass and the objective's gradients with respect to logp and entropy (g_entropy None: the
+    entropy has no gradient anywhere, and the tile does not form its term)."""
 
     targets: torch.Tensor
     lse: torch.Tensor
@@ -73,7 +75,12 @@ def logits_from_product(product, head: Head) -> torch.Tensor:
     z = z * head.values[SCALE]
     if head.softcap:
         z = head.values[CAP] * torch.tanh(z / head.values[CAP])
-    return z * head.values[INV_TEMP]
+    return z * inverse_temperature(head)
+
+
+def inverse_temperature(head: Head) -> torch.Tensor:
+    """1 / temperature: the head's scalar, or a [n, 1] column of the tile's per-row values."""
+    return head.values[INV_TEMP] if head.row_inv_temp is None else head.row_inv_temp.unsqueeze(-1)
 
 
 FOLD_CHUNK = 8192  # vocabulary entries per chunk of the fold: re-read from cache (fastest of 256..8192 on an H200)
@@ -132,11 +139,13 @@ def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:
     """d loss / d (x @ W.T + b) for a logits tile, given the loss's gradients w.r.t. logp and entropy."""
     log_p = z - rows.lse.unsqueeze(-1)
     p = torch.exp(log_p)
-    g_logp, g_entropy = rows.g_logp.unsqueeze(-1), rows.g_entropy.unsqueeze(-1)
-    dz = g_logp * (onehot.to(p.dtype) - p) - g_entropy * p * (log_p + rows.entropy.unsqueeze(-1))
-    scale = head.values[SCALE] * head.values[INV_TEMP]
+    dz = rows.g_logp.unsqueeze(-1) * (onehot.to(p.dtype) - p)
+    if rows.g_entropy is not None:  # None: the entropy has no gradient, and its term is not formed
+        dz = dz - rows.g_entropy.unsqueeze(-1) * p * (log_p + rows.entropy.unsqueeze(-1))
+    inv_temp = inverse_temperature(head)
+    scale = head.values[SCALE] * inv_temp
     if head.softcap:
-        t = z / (head.values[CAP] * head.values[INV_TEMP])
+        t = z / (head.values[CAP] * inv_temp)
         return dz * scale * (1 - t * t)
     return dz * scale
 

@@ -91,21 +91,25 @@ TENSOR_INPUTS = ("weight", "bias", "completion_ids", "completion_mask", "advanta
                  "importance_sampling_ratio", "ref_hidden", "ref_weight", "ref_bias")  # fmt: skip
 
 
-def check_statistics(inputs, logp, entropy) -> None:
-    """After the statistics pass: a non-finite log-prob or entropy at an active position comes from a NaN or an
-    infinity in hidden (at an active position), weight or bias, which is named. This costs a [B, T] reduction and
-    one wait on the device, where checking the inputs up front would read the whole lm_head every call."""
-    active = inputs.completion_mask.bool()
+def check_statistics(active, logp, entropy, active_hidden, weight, bias) -> None:
+    """After the statistics pass: a non-finite log-prob or entropy at an `active` position comes from a NaN or an
+    infinity in hidden (at an active position), weight or bias, which is named. This costs a reduction over the
+    positions and one wait on the device, where checking the inputs up front would read the whole lm_head every
+    call. `active_hidden()` gives the hidden rows of the active positions (made only when a value is not finite)."""
     if bool((~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()):
         return
-    flat = inputs.hidden.reshape(-1, inputs.hidden.shape[-1])
-    positions = active.reshape(-1).nonzero().squeeze(1)
-    rows = positions if inputs.hidden_rows is None else inputs.hidden_rows[positions]
-    for name, x in (("hidden", flat.index_select(0, rows)), ("weight", inputs.weight), ("bias", inputs.bias)):
+    for name, x in (("hidden", active_hidden()), ("weight", weight), ("bias", bias)):
         if x is not None and not bool(torch.isfinite(x).all()):
             where = " at an active position" if name == "hidden" else ""
             _fail(name, f"NaN or infinite value{where}: the log-probs and entropies would be NaN")
     _fail("hidden", "the logits overflowed: a log-prob or entropy at an active position is not finite")
+
+
+def active_hidden_rows(hidden, active, rows=None):
+    """The rows of `hidden` ([..., H]) at the `active` positions (`rows`: a packed call's row of each position)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    positions = active.reshape(-1).nonzero().squeeze(1)
+    return flat.index_select(0, positions if rows is None else rows[positions])
 
 
 def check_values(inputs, vocab: int) -> None:

@@ -35,6 +35,10 @@ class Recompute:
     head_values: torch.Tensor
     softcap: bool
     tiles: tuple
+    row_inv_temp: torch.Tensor | None = None  # per slot (`Head.row_inv_temp`)
+
+    def head(self, weight, bias) -> Head:
+        return Head(weight, bias, self.head_values, self.softcap, self.row_inv_temp)
 
 
 class StatisticsThenRecompute(torch.autograd.Function):
@@ -42,17 +46,19 @@ class StatisticsThenRecompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, setup: Recompute):
-        head = Head(weight, bias, setup.head_values, setup.softcap)
+        head = setup.head(weight, bias)
         logp, entropy, lse = passes.statistics_pass(setup.engine, x, setup.targets, head, setup.tiles)
         ctx.save_for_backward(x, weight, bias, lse, entropy)
         ctx.setup = setup
+        ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: no work for it
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
-        head = Head(weight, bias, s.head_values, s.softcap)
+        head = s.head(weight, bias)
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         rows = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         dx, dw, db = passes.vocab_outer_gradients(s.engine, x, rows, head, s.tiles, wanted)
@@ -61,8 +67,19 @@ class StatisticsThenRecompute(torch.autograd.Function):
 
 def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head):
     """(logp, entropy) per slot through `function`, an autograd Function of this module's form."""
-    setup = Recompute(engine, slots.targets, head.values, head.softcap, slots.plan.tiles)
+    setup = Recompute(engine, slots.targets, head.values, head.softcap, slots.plan.tiles, head.row_inv_temp)
     return function.apply(slots.x, head.weight, head.bias, setup)
+
+
+def stream_statistics(function, engine: Engine, targets, plan: TilePlan, head: Head):
+    """Differentiable (logp, entropy) of every flat [B*T] position, 0 where `plan` has no slot, through `function`
+    (this module's autograd Function or the sparse schedule's). `targets`: anything with `hidden`,
+    `completion_ids` and `hidden_rows` (`inputs.LossInputs`, `logprobs.Targets`). The one engine the memory and
+    sparse schedules of the GRPO loss and `fused_linear_logprobs` share."""
+    hidden, ids = targets.hidden, targets.completion_ids
+    slots = passes.gather_slots(hidden, ids, plan, engine.shard.start, targets.hidden_rows)
+    logp, entropy = statistics_with_recompute(function, engine, slots, head)
+    return tiling.from_slots(logp, plan, ids.numel()), tiling.from_slots(entropy, plan, ids.numel())
 
 
 def run(engine: Engine, objective: Objective, head: Head, plan: TilePlan):
@@ -73,11 +90,9 @@ def statistics_then_objective(function, engine: Engine, objective: Objective, he
     """The loss of the batch: statistics of every active token, the objective on [B,T] (the entropy threshold
     included), gradients by `function`'s backward."""
     inputs = objective.inputs
-    slots = passes.gather_slots(inputs.hidden, inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
-    logp_s, entropy_s = statistics_with_recompute(function, engine, slots, head)
     mask = objective.batch.mask
-    logp = tiling.from_slots(logp_s, plan, mask.numel()).view(mask.shape)
-    entropy = tiling.from_slots(entropy_s, plan, mask.numel()).view(mask.shape)
+    logp, entropy = stream_statistics(function, engine, inputs, plan, head)
+    logp, entropy = logp.view(mask.shape), entropy.view(mask.shape)
     entropy_mask = None
     if objective.cfg.uses_entropy_mask:
         q = objective.cfg.top_entropy_quantile

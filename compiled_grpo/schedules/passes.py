@@ -57,7 +57,7 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles):
     rows = engine.tiles.stats_rows
     pieces = [(s + i, min(rows, n - i)) for s, n in tiles for i in range(0, n, rows)]
     fold = engine.kernels.partial_statistics if engine.shard.parallel else engine.kernels.statistics
-    outs = [fold(x[s : s + n], targets[s : s + n], head) for s, n in pieces]
+    outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in pieces]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
         return empty, empty, empty
@@ -91,8 +91,8 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
             dw_v = dw[v0 : v0 + vocab_tile] if direct else accumulator(x, head_v.weight.shape)
         db_v = accumulator(x, head_v.weight.shape[:1]) if wanted.bias else None
         for i, (s, n) in enumerate(tiles):
-            rows_t = RowGradients(*(t[s : s + n] for t in rows))
-            d_raw, db_t = engine.kernels.gradient_vocab(x[s : s + n], rows_t, head_v, offsets[j])
+            rows_t = RowGradients(*(None if t is None else t[s : s + n] for t in rows))
+            d_raw, db_t = engine.kernels.gradient_vocab(x[s : s + n], rows_t, head_v.rows(s, n), offsets[j])
             streaming.add_matmul(dx[s : s + n], d_raw, head_v.weight, first=j == 0)
             if direct and wanted.weight:
                 torch.mm(d_raw.T, x[s : s + n], out=dw_v)
@@ -144,7 +144,7 @@ class TokenOuterGradients:
         """Tile (s, n): its logits gradient from `product` = x[s:s+n] @ W.T, then its dX and its share of dW, db."""
         n = product.shape[0]
         d_raw = self._rows_for(s, n)
-        db_t = kernels.gradient_from_product(product, rows, self.head, d_raw, self.wanted.bias)
+        db_t = kernels.gradient_from_product(product, rows, self.head.rows(s, n), d_raw, self.wanted.bias)
         torch.mm(d_raw, self.head.weight, out=self.dx[s : s + n])
         if self.wanted.bias:
             self.db += db_t

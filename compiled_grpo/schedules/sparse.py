@@ -60,12 +60,29 @@ class StatisticsThenSparseGradients(StatisticsThenRecompute):
     def backward(ctx, g_logp, g_entropy):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
-        head = Head(weight, bias, s.head_values, s.softcap)
+        head = s.head(weight, bias)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        selected = tiling.active_positions((g_logp != 0) | (g_entropy != 0))
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
+        selected, entropy_has_gradient = rows_with_gradient(g_logp, g_entropy)
+        g_entropy = g_entropy if entropy_has_gradient else None  # all zero: no entropy term in the tiles
         per_slot = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
         rows_plan, dx, dw, db = gradients_of_rows(s.engine, x, head, selected, wanted, per_slot)
         return tiling.from_slots(dx, rows_plan, x.shape[0]), dw, db, None
+
+
+def rows_with_gradient(g_logp, g_entropy):
+    """The slots whose upstream gradients are not both 0, and whether any entropy gradient is non-zero (None:
+    the entropy has none), after one wait on the device (both counts read back at once)."""
+    nonzero = g_logp != 0
+    entropy_nonzero = None if g_entropy is None else g_entropy != 0
+    if entropy_nonzero is not None:
+        nonzero = nonzero | entropy_nonzero
+    counts = [nonzero.count_nonzero()]
+    if entropy_nonzero is not None:
+        counts.append(entropy_nonzero.count_nonzero())
+    counts = torch.stack(counts).tolist()
+    selected = torch.nonzero_static(nonzero, size=counts[0]).squeeze(1)
+    return selected, len(counts) > 1 and counts[1] > 0
 
 
 def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, per_slot: RowGradients):
@@ -76,10 +93,11 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
     rows_plan = tiling.plan_tokens(selected, x.shape[0], tile, t.tail_tile)
     # Padding slots read slot 0's row and statistics (finite probabilities) with zero upstream gradients, so
     # their logits gradient is exactly 0.
-    same = lambda v: tiling.to_slots(v, rows_plan, fill=None)
-    zero = lambda v: tiling.to_slots(v, rows_plan, fill=0.0)
+    same = lambda v: None if v is None else tiling.to_slots(v, rows_plan, fill=None)
+    zero = lambda v: None if v is None else tiling.to_slots(v, rows_plan, fill=0.0)
     x_r = same(x)
     rows = RowGradients(*map(same, per_slot[:3]), zero(per_slot.g_logp), zero(per_slot.g_entropy))
+    head = head._replace(row_inv_temp=same(head.row_inv_temp))
     if not token_tiles:
         dx, dw, db = passes.vocab_outer_gradients(engine, x_r, rows, head, rows_plan.tiles, wanted)
         return rows_plan, dx, dw, db
@@ -87,7 +105,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
     grads = TokenOuterGradients(x_r, head, rows_plan.tiles, t.sparse_tile, buffered, wanted)
     for s, n in rows_plan.tiles:
         product = streaming.matmul_fp32(x_r[s : s + n], head.weight.T)
-        grads.add(engine.kernels, s, product, RowGradients(*(v[s : s + n] for v in rows)))
+        grads.add(engine.kernels, s, product, RowGradients(*(None if v is None else v[s : s + n] for v in rows)))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
     distributed.all_sum_(dx, engine.shard.group)

@@ -122,7 +122,9 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     dest = flat.destinations(plan.gradient)
     if not differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
         for s, n in tiles:  # the grad-mode tiles and kernel, so logp and entropy are bitwise the same
-            logp, entropy, _, _ = engine.kernels.statistics_and_product(x[s : s + n], targets[s : s + n], detached)
+            logp, entropy, _, _ = engine.kernels.statistics_and_product(
+                x[s : s + n], targets[s : s + n], detached.rows(s, n)
+            )
             flat.write(dest[s : s + n], logp, entropy)
         logp, entropy = flat.view(ids.shape)
         loss, metrics = objective.loss_and_metrics(logp, entropy)
@@ -130,7 +132,9 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
     norms = None
     for s, n in tiles:
-        logp, entropy, lse, product = engine.kernels.statistics_and_product(x[s : s + n], targets[s : s + n], detached)
+        logp, entropy, lse, product = engine.kernels.statistics_and_product(
+            x[s : s + n], targets[s : s + n], detached.rows(s, n)
+        )
         flat.write(dest[s : s + n], logp, entropy)
         # made after the first GEMM is queued, so the GPU does not wait while the host launches their kernels
         norms = objective.normalizers() if norms is None else norms

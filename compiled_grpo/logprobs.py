@@ -1,0 +1,172 @@
+"""The primitive: per-token log-probabilities and entropies of any targets under the lm_head, for any loss.
+
+`fused_linear_logprobs(hidden, weight, targets)` equals, in plain torch (with logits materialized, which this
+never does):
+
+    z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature      # temperature: a float, or per token
+    logp = log_softmax(z).gather(-1, targets);  entropy = -(softmax(z) * log_softmax(z)).sum(-1)
+    logp, entropy = 0 where targets == ignore_index
+
+differentiable in hidden, weight and bias. It runs the engine of the GRPO loss's memory and sparse schedules
+(`schedules.memory.stream_statistics`): the statistics pass in the forward ([stats_rows, V] float32 logits at a
+time), and a backward that recomputes the logits only for the rows whose upstream gradients are not both 0
+(2NHV + 6nHV FLOPs for n such rows), without the entropy's term when no entropy gradient is non-zero. Under
+`no_grad` or `inference_mode` the forward runs the same kernels on the same tiles: old, reference and policy
+log-probs from this function agree bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from . import distributed, validation
+from .head import Head, VocabShard, device_constant
+from .kernels import Kernels
+from .schedules import memory, sparse
+from .schedules.passes import Engine
+from .streaming import stat_dtype
+from .tiling import Tiles, plan_mask, to_slots
+
+TILE_OPTIONS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "sparse_tile")
+
+
+class LogProbs(NamedTuple):
+    logp: torch.Tensor  # float32 (float64 for float64 inputs), shaped like targets, 0 at ignored targets
+    entropy: torch.Tensor | None  # the same; None with entropy=False
+
+
+class Targets(NamedTuple):
+    """What the engine streams: hidden rows and the target of each flat position."""
+
+    hidden: torch.Tensor  # [N, H]
+    completion_ids: torch.Tensor  # [N]
+    hidden_rows: torch.Tensor | None = None
+
+
+@functools.cache
+def kernels(compiled: bool) -> Kernels:
+    return Kernels(compiled)
+
+
+def fused_linear_logprobs(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    temperature=1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
+    ignore_index: int = -100,
+    entropy: bool = True,
+    compiled: bool = True,
+    validate: bool = True,
+    vocab_parallel_group=None,
+    vocab_start: int = 0,
+    **tiles: int,
+) -> LogProbs:
+    """(logp, entropy) of `targets` under the lm_head, float32, shaped like `targets` (see the module's docstring).
+
+    hidden [..., H] (any leading shape: [B, T, H], packed [N, H]); weight [V, H] (this rank's rows of it with
+    `vocab_parallel_group`, starting at vocabulary id `vocab_start`); targets [...] integer; bias [V] or None.
+    temperature: a positive float, or a tensor broadcastable to targets' shape (per sequence, per token).
+    `entropy=False` returns None for it and its backward forms no entropy term. `compiled=False` runs the same
+    tile functions eagerly. `validate=False` skips the checks that read values back to the host (ids in range,
+    finite temperatures, finite statistics). Tile sizes: token_tile, tail_tile, vocab_tile, stats_rows,
+    sparse_tile (`tiling.Tiles`, defaults by device). Under autocast the GEMMs run in the autocast dtype.
+    """
+    validation.unknown_names(tiles, TILE_OPTIONS, "fused_linear_logprobs()")
+    check_inputs(hidden, weight, targets, bias, temperature)
+    hidden, weight, bias = under_autocast(hidden, weight, bias)
+    flat_targets = targets.reshape(-1)
+    valid = flat_targets != ignore_index
+    group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
+    if validate:
+        check_values(flat_targets, valid, weight, group, temperature)
+    with torch.autocast(hidden.device.type, enabled=False):
+        engine = Engine(kernels(compiled), Tiles.for_device(hidden.device, **tiles), VocabShard(group, vocab_start))
+        plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile)
+        dtype = stat_dtype(hidden)
+        head = make_head(weight, bias, (logit_scale, temperature, final_logit_softcapping), dtype, targets.shape)
+        if head.row_inv_temp is not None:
+            head = head._replace(row_inv_temp=to_slots(head.row_inv_temp, plan, fill=None))
+        function = memory.StatisticsThenRecompute if engine.shard.parallel else sparse.StatisticsThenSparseGradients
+        stream = Targets(hidden.reshape(-1, hidden.shape[-1]), flat_targets.masked_fill(~valid, 0))
+        logp, ent = memory.stream_statistics(function, engine, stream, plan, head)
+    if validate:
+        rows = lambda: validation.active_hidden_rows(hidden, valid)
+        validation.check_statistics(valid, logp, ent, rows, weight, bias)
+    return LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
+
+
+def make_head(weight, bias, values, dtype, shape):
+    """The lm_head as the tiles see it: (logit_scale, temperature, softcap) in one small tensor, and a per-token
+    temperature as one 1 / temperature per flat position."""
+    scale, temperature, cap = values
+    per_token = isinstance(temperature, torch.Tensor)
+    inv_temp = 1.0 if per_token else 1.0 / temperature
+    constants = device_constant((float(scale), inv_temp, float(cap or 1.0)), dtype, weight.device)
+    row_inv_temp = None
+    if per_token:
+        row_inv_temp = (1.0 / temperature.detach().to(weight.device, dtype)).broadcast_to(shape).reshape(-1)
+    return Head(weight, bias, constants, cap is not None, row_inv_temp)
+
+
+def under_autocast(hidden, weight, bias):
+    """Under autocast, the floating lm_head tensors in the autocast dtype (as TRL's fused head computes)."""
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def check_inputs(hidden, weight, targets, bias, temperature) -> None:
+    """Types, shapes, dtypes and devices: free checks, always made."""
+    for name, x in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if hidden.dtype not in validation.FLOATS or hidden.dim() < 1:
+        raise TypeError(f"hidden: expected a floating [..., H] tensor, got {hidden.dtype} {tuple(hidden.shape)}")
+    H = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"weight: expected [V, {H}] (H of hidden), got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets: expected {tuple(hidden.shape[:-1])} (hidden's leading shape), got "
+                         f"{tuple(targets.shape)}")  # fmt: skip
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets: expected an integer dtype, got {targets.dtype}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias: expected [{weight.shape[0]}], got {getattr(bias, 'shape', type(bias))}")
+    named = {"weight": weight, "targets": targets, "bias": bias}
+    if isinstance(temperature, torch.Tensor):
+        named["temperature"] = temperature
+        try:
+            torch.broadcast_shapes(temperature.shape, targets.shape)
+        except RuntimeError:
+            raise ValueError(f"temperature: shape {tuple(temperature.shape)} does not broadcast to targets' "
+                             f"{tuple(targets.shape)}") from None  # fmt: skip
+    elif not isinstance(temperature, (int, float)) or not temperature > 0 or temperature == float("inf"):
+        raise ValueError(f"temperature: expected a positive finite number or a tensor, got {temperature!r}")
+    for name, x in named.items():
+        if x is not None and x.device != hidden.device:
+            raise TypeError(f"{name}: is on {x.device}, hidden on {hidden.device}: every input must be on one device")
+
+
+def check_values(flat_targets, valid, weight, group, temperature) -> None:
+    """Host-syncing checks: targets in the (whole) vocabulary or ignored, temperatures positive and finite."""
+    vocab = weight.shape[0]
+    if group is not distributed.LOCAL:
+        vocab = int(distributed.all_sum(torch.tensor(vocab, device=weight.device), group))
+    ids = flat_targets[valid]
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        raise ValueError(f"targets: id {int(ids[bad][0])} is outside [0, {vocab}) and is not ignore_index")
+    if isinstance(temperature, torch.Tensor) and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+        raise ValueError("temperature: every value must be positive and finite")

@@ -1,0 +1,254 @@
+"""`fused_linear_logprobs` against the float64 reference (full logits, plain autograd): values, gradients for
+upstream gradients with zero rows, per-token temperature, ignore_index, softcap and scale, any leading shape;
+no_grad bitwise; the GRPO loss's log-probs bitwise; the sparse backward's skipped rows; hand-worked cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cases import TILES
+
+import reference
+from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, streaming
+from compiled_grpo.schedules import sparse
+
+PRIMITIVE_TILES = {k: v for k, v in TILES.items() if k in ("token_tile", "tail_tile", "vocab_tile", "sparse_tile")}
+
+
+def make(seed=0, shape=(3, 37), H=16, V=1021, dtype=torch.float64, ignored=0.3, logit_std=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, H, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * logit_std / math.sqrt(H)).to(dtype)
+    bias = (torch.randn(V, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    targets = torch.randint(0, V, shape, generator=g)
+    targets[torch.rand(shape, generator=g) < ignored] = -100
+    return hidden, weight, bias, targets, g
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def grads_of(logp, entropy, upstream, inputs):
+    g_logp, g_entropy = upstream
+    total = (logp * g_logp).sum() + (0.0 if g_entropy is None or entropy is None else (entropy * g_entropy).sum())
+    return torch.autograd.grad(total, inputs)
+
+
+def compare(options, shape=(3, 37), g_entropy_scale=0.7, zero_rows=True, seed=0, **primitive):
+    hidden, weight, bias, targets, g = make(seed, shape)
+    g_logp = torch.randn(shape, generator=g, dtype=torch.float64)
+    g_entropy = None if g_entropy_scale is None else torch.randn(shape, generator=g, dtype=torch.float64)
+    if zero_rows:  # most rows with no upstream gradient, as in a GRPO batch
+        keep = torch.rand(shape, generator=g) < 0.3
+        g_logp = g_logp * keep
+        g_entropy = None if g_entropy is None else g_entropy * keep * g_entropy_scale
+    ref_in = leaves(hidden, weight, bias)
+    ref = reference.fused_linear_logprobs(ref_in[0], ref_in[1], targets, bias=ref_in[2], **options)
+    ref_grads = grads_of(ref.logp, ref.entropy, (g_logp, g_entropy), ref_in)
+    ours_in = leaves(hidden, weight, bias)
+    out = fused_linear_logprobs(ours_in[0], ours_in[1], targets, bias=ours_in[2], compiled=False, **PRIMITIVE_TILES,
+                                **options, **primitive)  # fmt: skip
+    ours_grads = grads_of(out.logp, out.entropy, (g_logp, g_entropy), ours_in)
+    assert out.logp.shape == targets.shape and out.logp.dtype == torch.float64
+    torch.testing.assert_close(out.logp, ref.logp, rtol=1e-10, atol=1e-10)
+    assert bool((out.logp[targets == -100] == 0).all())
+    if out.entropy is not None:
+        torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-10, atol=1e-10)
+        assert bool((out.entropy[targets == -100] == 0).all())
+    for name, a, b in zip(("hidden", "weight", "bias"), ours_grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+    return out, ours_grads
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"temperature": 0.7},
+        {"logit_scale": 0.5, "final_logit_softcapping": 3.0},
+        {"temperature": 1.3, "final_logit_softcapping": 2.0, "logit_scale": 2.0},
+    ],
+    ids=["plain", "temperature", "scale-softcap", "all"],
+)
+@pytest.mark.parametrize("shape", [(3, 37), (91,), (2, 3, 7)], ids=["BT", "packed", "3d"])
+def test_matches_reference(options, shape):
+    compare(options, shape)
+
+
+@pytest.mark.parametrize("per", ["sequence", "token"])
+def test_temperature_per_sequence_and_per_token(per):
+    g = torch.Generator().manual_seed(3)
+    shape = (3, 1) if per == "sequence" else (3, 37)
+    temperature = torch.rand(shape, generator=g, dtype=torch.float64) + 0.4
+    compare({"temperature": temperature, "final_logit_softcapping": 4.0})
+
+
+def test_entropy_false_and_no_entropy_gradient(monkeypatch):
+    """entropy=False returns None and forms no entropy term; so does an entropy whose upstream gradient is 0."""
+    seen = []
+    original = streaming.logits_gradient
+    monkeypatch.setattr(streaming, "logits_gradient", lambda z, o, rows, h: seen.append(rows.g_entropy) or
+                        original(z, o, rows, h))  # fmt: skip
+    out, _ = compare({}, g_entropy_scale=None, entropy=False)
+    assert out.entropy is None
+    assert seen and all(g is None for g in seen)
+    seen.clear()
+    compare({}, g_entropy_scale=0.0)  # an entropy gradient of zeros: the same
+    assert seen and all(g is None for g in seen)
+    seen.clear()
+    compare({}, g_entropy_scale=0.7)
+    assert seen and all(g is not None for g in seen)
+
+
+def test_backward_skips_rows_without_upstream_gradient(monkeypatch):
+    counts = []
+    original = sparse.gradients_of_rows
+    monkeypatch.setattr(sparse, "gradients_of_rows", lambda e, x, h, selected, *r: counts.append(selected.numel()) or
+                        original(e, x, h, selected, *r))  # fmt: skip
+    hidden, weight, bias, targets, _ = make(1)
+    h, w = leaves(hidden, weight)
+    logp, entropy = fused_linear_logprobs(h, w, targets, compiled=False, **PRIMITIVE_TILES)
+    g = torch.zeros_like(logp)
+    g[0, :5] = 1.0
+    torch.autograd.backward([logp, entropy], [g, torch.zeros_like(entropy)])
+    assert counts == [int((targets[0, :5] != -100).sum())]
+    assert bool((h.grad[1:] == 0).all()) and bool((h.grad[0, 5:] == 0).all())
+
+
+def test_all_ignored_and_empty():
+    hidden, weight, _, targets, _ = make(2)
+    h, w = leaves(hidden, weight)
+    out = fused_linear_logprobs(h, w, torch.full_like(targets, -100), compiled=False)
+    assert bool((out.logp == 0).all()) and bool((out.entropy == 0).all())
+    out.logp.sum().backward()
+    assert bool((h.grad == 0).all()) and bool((w.grad == 0).all())
+    empty = fused_linear_logprobs(hidden[:0], weight, targets[:0], compiled=False)
+    assert empty.logp.shape == (0, 37)
+
+
+def test_custom_ignore_index():
+    hidden, weight, _, targets, _ = make(4, ignored=0.0)
+    targets[0, :3] = 7
+    out = fused_linear_logprobs(hidden, weight, targets, ignore_index=7, compiled=False)
+    ref = reference.fused_linear_logprobs(hidden, weight, targets, ignore_index=7)
+    torch.testing.assert_close(out.logp, ref.logp, rtol=1e-10, atol=1e-12)
+    assert bool((out.logp[targets == 7] == 0).all())
+
+
+def test_hand_worked_two_token_vocabulary():
+    """Logits [0, log 3] (p = 1/4, 3/4) at temperature 1, and [0, log 9] / 2 (the same) at temperature 2."""
+    weight = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    hidden = torch.tensor([[math.log(3)], [math.log(9)]], dtype=torch.float64)
+    targets = torch.tensor([1, 0])
+    temperature = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=temperature, compiled=False)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(logp, torch.tensor([math.log(0.75), math.log(0.25)], dtype=torch.float64))
+    torch.testing.assert_close(entropy, torch.tensor([h, h], dtype=torch.float64))
+    # d logp / d hidden = (onehot - p) . w / temperature: (1 - 3/4) * 1 and (0 - 3/4) * 1 / 2
+    h_leaf = hidden.clone().requires_grad_()
+    fused_linear_logprobs(h_leaf, weight, targets, temperature=temperature, compiled=False).logp.sum().backward()
+    torch.testing.assert_close(h_leaf.grad, torch.tensor([[0.25], [-0.375]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_without_grad_mode_bitwise(context):
+    hidden, weight, bias, targets, _ = make(5, dtype=torch.float32)
+    h, w = leaves(hidden, weight)
+    grad_mode = fused_linear_logprobs(h, w, targets, bias=bias, compiled=False)
+    with context():
+        out = fused_linear_logprobs(hidden, weight, targets, bias=bias, compiled=False)
+    assert torch.equal(out.logp, grad_mode.logp) and torch.equal(out.entropy, grad_mode.entropy)
+
+
+@pytest.mark.parametrize("schedule", ["memory", "sparse"])
+def test_the_grpo_loss_log_probs_are_the_primitives_bitwise(schedule):
+    """The loss's memory and sparse schedules stream the same engine on the same tiles."""
+    hidden, weight, bias, targets, g = make(6, dtype=torch.float32)
+    mask = (targets != -100).long()
+    ids = targets.clamp(min=0)
+    adv = torch.randn(3, generator=g)
+    tiles = {**PRIMITIVE_TILES, "stats_rows": TILES.get("stats_rows", 256)}
+    loss = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **tiles)(hidden, weight, ids, mask, adv, bias=bias)
+    out = fused_linear_logprobs(hidden, weight, targets, bias=bias, compiled=False, **tiles)
+    assert torch.equal(loss.per_token_logps, out.logp) and torch.equal(loss.entropy, out.entropy)
+
+
+def test_bf16_three_way():
+    """bf16: |ours - ref64| <= |plain bf16 autograd - ref64| + a small slack, values and gradients."""
+    hidden, weight, bias, targets, g = make(7, shape=(4, 64), H=64, V=2003, dtype=torch.bfloat16, logit_std=3.0)
+    g_logp = torch.randn(targets.shape, generator=g)
+    g_entropy = torch.randn(targets.shape, generator=g) * 0.1
+    ref_in = leaves(hidden, weight)
+    ref = reference.fused_linear_logprobs(*ref_in, targets)
+    ref_grads = grads_of(ref.logp, ref.entropy, (g_logp.double(), g_entropy.double()), ref_in)
+    naive_in = leaves(hidden, weight)
+    log_p = (naive_in[0] @ naive_in[1].T).log_softmax(-1)
+    valid = targets != -100
+    naive_logp = torch.where(valid, log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0)
+    naive_entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0)
+    naive_grads = grads_of(naive_logp.float(), naive_entropy.float(), (g_logp, g_entropy), naive_in)
+    ours_in = leaves(hidden, weight)
+    out = fused_linear_logprobs(*ours_in, targets, compiled=False, **PRIMITIVE_TILES)
+    ours_grads = grads_of(out.logp, out.entropy, (g_logp, g_entropy), ours_in)
+    err = lambda a, b: float((a.double() - b.double()).abs().max())
+    for name, a, n, r in (("logp", out.logp, naive_logp, ref.logp), ("entropy", out.entropy, naive_entropy,
+                                                                        ref.entropy)):  # fmt: skip
+        assert err(a, r) <= err(n, r) + 1e-5 * float(r.abs().max()), name
+    for name, a, n, r in zip(("hidden", "weight"), ours_grads, naive_grads, ref_grads, strict=True):
+        assert err(a, r) <= err(n, r) + 1e-3 * float(r.abs().max()), name
+
+
+def test_bad_inputs_name_the_argument():
+    hidden, weight, bias, targets, _ = make(8, dtype=torch.float32)
+    cases = [
+        ({"hidden": hidden[..., :-1]}, "weight"),
+        ({"weight": weight.double()}, "weight"),
+        ({"targets": targets[:, :-1]}, "targets"),
+        ({"targets": targets.float()}, "targets"),
+        ({"bias": bias[:-1]}, "bias"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": torch.ones(2, 5)}, "temperature"),
+        ({"temperature": torch.zeros(3, 1)}, "temperature"),
+        ({"targets": targets.masked_fill(targets == -100, 5000)}, "targets"),
+        ({"weight": torch.empty_like(weight, device="meta")}, "weight"),
+        ({"token_tiles": 64}, "token_tiles"),
+    ]
+    for change, name in cases:
+        args = {"hidden": hidden, "weight": weight, "targets": targets, "bias": bias, **change}
+        with pytest.raises((ValueError, TypeError), match=name):
+            fused_linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), compiled=False, **args)
+    bad_weight = weight.clone()
+    bad_weight[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="weight"):
+        fused_linear_logprobs(hidden, bad_weight, targets, compiled=False)
+
+
+@pytest.mark.compiled
+def test_compiled_matches_reference_and_reuses_graphs():
+    """Compiled, float32: the reference's values and gradients; new batch shapes and temperatures reuse the
+    compiled tiles (one token-tile shape here, as in tests/test_fused_compiled.py)."""
+    from torch._dynamo.utils import counters
+
+    tiles = {"token_tile": 64, "tail_tile": 64, "vocab_tile": 256, "sparse_tile": 64}
+
+    def run(seed, shape, temperature):
+        hidden, weight, bias, targets, g = make(seed, shape, dtype=torch.float32)
+        ins = leaves(hidden, weight, bias)
+        out = fused_linear_logprobs(*ins[:2], targets, bias=ins[2], temperature=temperature, **tiles)
+        ref_in = leaves(hidden, weight, bias)
+        ref = reference.fused_linear_logprobs(*ref_in[:2], targets, bias=ref_in[2], temperature=temperature)
+        up = (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for a, b in zip(grads_of(out.logp, out.entropy, up, ins), grads_of(ref.logp, ref.entropy,
+                        tuple(u.double() for u in up), ref_in), strict=True):  # fmt: skip
+            torch.testing.assert_close(a.double(), b.double(), rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(out.logp.double(), ref.logp, rtol=2e-5, atol=2e-5)
+
+    run(0, (3, 37), 0.8)
+    graphs = counters["stats"]["unique_graphs"]
+    run(1, (5, 29), 1.3)
+    run(2, (111,), 0.6)
+    assert counters["stats"]["unique_graphs"] == graphs
