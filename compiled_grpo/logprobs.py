@@ -28,7 +28,7 @@ from .kernels import Kernels
 from .schedules import memory, sparse
 from .schedules.passes import Engine
 from .streaming import stat_dtype
-from .tiling import Tiles, plan_mask, to_slots
+from .tiling import TilePlan, Tiles, from_slots, plan_mask, to_slots
 
 TILE_OPTIONS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "sparse_tile")
 
@@ -79,27 +79,100 @@ def fused_linear_logprobs(
     sparse_tile (`tiling.Tiles`, defaults by device). Under autocast the GEMMs run in the autocast dtype.
     """
     validation.unknown_names(tiles, TILE_OPTIONS, "fused_linear_logprobs()")
-    check_inputs(hidden, weight, targets, bias, temperature)
+    options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
+                      vocab_parallel_group, vocab_start, tiles)  # fmt: skip
+    call = prepare(hidden, weight, targets, bias, options)
+    parallel = call.engine.shard.parallel
+    function = memory.StatisticsThenRecompute if parallel else sparse.StatisticsThenSparseGradients
+    with torch.autocast(call.stream.hidden.device.type, enabled=False):
+        logp, ent = memory.stream_statistics(function, call.engine, call.stream, call.plan, call.head)
+    if validate:
+        rows = lambda: validation.active_hidden_rows(call.stream.hidden, call.valid)
+        validation.check_statistics(call.valid, logp, ent, rows, call.head.weight, call.head.bias)
+    return LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
+
+
+class ExtraStatistics(NamedTuple):
+    log_sum_sq_probs: torch.Tensor  # log sum_v p_v^2, float32, 0 at ignored targets
+    mean_logits: torch.Tensor  # mean_v z_v (z after scale, softcap and temperature), float32, 0 at ignored targets
+    is_top1: torch.Tensor  # bool: the target is the first maximal logit; False at ignored targets
+
+
+def fused_linear_extra_statistics(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    temperature=1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
+    ignore_index: int = -100,
+    compiled: bool = True,
+    **tiles: int,
+) -> ExtraStatistics:
+    """Without gradient, the per-token fields TRL 1.16's fused head also offers (`ExtraStatistics`), from one more
+    statistics pass over the lm_head (same arguments as `fused_linear_logprobs`; no vocabulary-parallel head)."""
+    validation.unknown_names(tiles, TILE_OPTIONS, "fused_linear_extra_statistics()")
+    options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, False, None, 0, tiles)
+    call = prepare(hidden, weight, targets, bias, options)
+    x = to_slots(call.stream.hidden, call.plan, fill=None)
+    ids = to_slots(call.stream.completion_ids, call.plan, fill=0)
+    rows = call.engine.tiles.stats_rows
+    pieces = [(s + i, min(rows, n - i)) for s, n in call.plan.tiles for i in range(0, n, rows)]
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        head = call.head.detached()
+        outs = [call.engine.kernels.extra_statistics(x[s : s + n], ids[s : s + n], head.rows(s, n)) for s, n in pieces]
+        numel = call.stream.completion_ids.numel()
+        fields = []
+        for i, dtype in enumerate((stat_dtype(x), stat_dtype(x), torch.bool)):
+            slots = torch.cat([o[i] for o in outs]) if outs else x.new_zeros(0, dtype=dtype)
+            fields.append(from_slots(slots, call.plan, numel).view(targets.shape))
+    return ExtraStatistics(*fields)
+
+
+class Call(NamedTuple):
+    """A primitive call's inputs as the engine takes them."""
+
+    engine: Engine
+    plan: TilePlan
+    head: Head
+    stream: Targets
+    valid: torch.Tensor  # [N] bool: the positions whose target is not ignore_index
+
+
+class Options(NamedTuple):
+    """A primitive call's keyword options."""
+
+    logit_scale: float
+    temperature: float | torch.Tensor
+    final_logit_softcapping: float | None
+    ignore_index: int
+    compiled: bool
+    validate: bool
+    vocab_parallel_group: object
+    vocab_start: int
+    tiles: dict
+
+
+def prepare(hidden, weight, targets, bias, o: Options) -> Call:
+    """Checks, autocast casts, the tile plan over the positions with a target, and the head."""
+    check_inputs(hidden, weight, targets, bias, o.temperature)
     hidden, weight, bias = under_autocast(hidden, weight, bias)
     flat_targets = targets.reshape(-1)
-    valid = flat_targets != ignore_index
-    group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
-    if validate:
-        check_values(flat_targets, valid, weight, group, temperature)
-    with torch.autocast(hidden.device.type, enabled=False):
-        engine = Engine(kernels(compiled), Tiles.for_device(hidden.device, **tiles), VocabShard(group, vocab_start))
-        plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile)
-        dtype = stat_dtype(hidden)
-        head = make_head(weight, bias, (logit_scale, temperature, final_logit_softcapping), dtype, targets.shape)
-        if head.row_inv_temp is not None:
-            head = head._replace(row_inv_temp=to_slots(head.row_inv_temp, plan, fill=None))
-        function = memory.StatisticsThenRecompute if engine.shard.parallel else sparse.StatisticsThenSparseGradients
-        stream = Targets(hidden.reshape(-1, hidden.shape[-1]), flat_targets.masked_fill(~valid, 0))
-        logp, ent = memory.stream_statistics(function, engine, stream, plan, head)
-    if validate:
-        rows = lambda: validation.active_hidden_rows(hidden, valid)
-        validation.check_statistics(valid, logp, ent, rows, weight, bias)
-    return LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
+    valid = flat_targets != o.ignore_index
+    group = distributed.LOCAL if o.vocab_parallel_group is None else o.vocab_parallel_group
+    if o.validate:
+        check_values(flat_targets, valid, weight, group, o.temperature)
+    tiles = Tiles.for_device(hidden.device, **o.tiles)
+    engine = Engine(kernels(o.compiled), tiles, VocabShard(group, o.vocab_start))
+    plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile)
+    head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)
+    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape)
+    if head.row_inv_temp is not None:
+        head = head._replace(row_inv_temp=to_slots(head.row_inv_temp, plan, fill=None))
+    stream = Targets(hidden.reshape(-1, hidden.shape[-1]), flat_targets.masked_fill(~valid, 0))
+    return Call(engine, plan, head, stream, valid)
 
 
 def make_head(weight, bias, values, dtype, shape):

@@ -179,3 +179,14 @@ def gradient_vocab_tile(x, rows: RowGradients, head: Head, v0):
     onehot = (rows.targets - v0).unsqueeze(-1) == torch.arange(z.shape[-1], device=z.device)
     d_raw = logits_gradient(z, onehot, rows, head)
     return d_raw.to(x.dtype), d_raw.sum(0) if head.bias is not None else None
+
+
+def extra_statistics_tile(x, targets, head: Head):
+    """Without gradient, TRL's other per-token fields of one token tile: log sum_v p_v^2, the mean logit and
+    whether the target is the first maximal logit (argmax takes the lowest id among ties)."""
+    z = tile_logits(x, head)
+    m = z.amax(-1, keepdim=True)
+    e = torch.exp(z - m)
+    log_sum_sq = torch.log((e * e).sum(-1)) - 2 * torch.log(e.sum(-1))
+    is_top1 = z.argmax(-1) == targets.clamp(0, z.shape[-1] - 1)
+    return log_sum_sq, z.mean(-1), is_top1

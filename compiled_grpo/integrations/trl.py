@@ -1,7 +1,9 @@
-"""TRL 1.16's GRPOTrainer computing its loss with compiled_grpo.
+"""TRL 1.16 on compiled_grpo: the GRPO trainer's loss, and the fused LM head of every TRL trainer.
 
-    from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+    from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_fused_head
     trainer = CompiledGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+    with compiled_fused_head():  # SFT, DPO, KTO, RLOO, GRPO...: TRL's fused head on fused_linear_logprobs
+        SFTTrainer(...).train()
 
 Every loss setting comes from the trainer's `GRPOConfig` (loss type, clipping, delta, KL, importance sampling
 level and vLLM correction, top_entropy_quantile, OPSM, entropy bonus with TRL's adaptive controller, vespo,
@@ -16,12 +18,15 @@ embeddings and FSDP2 DTensor weights.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import trl
+import trl.trainer.utils as trl_utils
 from trl import GRPOTrainer
 
+from ..logprobs import fused_linear_extra_statistics, fused_linear_logprobs
 from ..loss import FusedLinearGRPOLoss
 
 if trl.__version__ != "1.16.0":
@@ -97,12 +102,18 @@ def completion_hidden_states(model, lm_head, model_inputs: dict, completion_leng
 
 
 class CompiledGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss. `compiled` and `schedule` are passed to
+    """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come
+    from `fused_linear_logprobs` (`compiled_fused_head`). `compiled` and `schedule` are passed to
     `FusedLinearGRPOLoss`; everything else is TRL's."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", **kwargs):
         super().__init__(*args, **kwargs)
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **loss_settings(self))
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        """Old and reference log-probs (and TRL's own scoring) on this library's kernels, like the loss's."""
+        with compiled_fused_head(self.fused_loss.kernels.compiled):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _compute_loss(self, model, inputs):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -189,3 +200,45 @@ class CompiledGRPOTrainer(GRPOTrainer):
                 self._entropy_window_stats = None
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+
+class FusedHeadFunction:
+    """TRL 1.16's `trl.kernels.ChunkedLogProbFunction` on this library's primitive: `apply` takes its arguments
+    (hidden [N, H], weight, bias, targets [N], temperature, chunk_size, final_logit_softcapping, logit_scale,
+    outputs) and returns its five outputs (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1; None
+    for those `outputs` does not ask for). log_probs and entropy come from `fused_linear_logprobs` (differentiable,
+    the backward skipping rows whose upstream gradients are zero); the other three, without gradient, from one
+    more statistics pass (`fused_linear_extra_statistics`). `chunk_size` (TRL's vocabulary chunk) is not used:
+    the tiles are this library's."""
+
+    compiled = True
+
+    @classmethod
+    def apply(cls, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):  # fmt: skip
+        head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale,
+                "final_logit_softcapping": final_logit_softcapping, "compiled": cls.compiled}  # fmt: skip
+        logp, entropy = fused_linear_logprobs(hidden, weight, targets, entropy="entropy" in outputs, **head)
+        extras = (None, None, None)
+        wanted = [name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")]
+        if any(wanted):
+            found = fused_linear_extra_statistics(hidden.detach(), weight.detach(), targets, **head)
+            extras = tuple(value if want else None for value, want in zip(found, wanted, strict=True))
+        return (logp, entropy, *extras)
+
+
+class EagerFusedHeadFunction(FusedHeadFunction):
+    compiled = False
+
+
+@contextlib.contextmanager
+def compiled_fused_head(compiled: bool = True):
+    """Inside the block, TRL's fused LM head (`add_fused_lm_head`, which every TRL 1.16 trainer uses for its
+    per-token log-probs: GRPO, RLOO, DPO, KTO, SFT, async GRPO) runs on `fused_linear_logprobs`. Models patched
+    before or inside the block alike: the patched forward looks the function up on each call."""
+    previous = trl_utils._ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = FusedHeadFunction if compiled else EagerFusedHeadFunction
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = previous

@@ -1,0 +1,164 @@
+"""TRL 1.16's fused LM head on this library (`compiled_fused_head`): the drop-in against TRL's own
+`ChunkedLogProbFunction` (its torch path on the CPU), and one training step of TRL's SFT, DPO and GRPO trainers
+with it against the same step with TRL's head."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+from test_integration_trl import digit_reward, tiny_model, tokenizer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl.kernels import ChunkedLogProbFunction
+
+import compiled_grpo.integrations.trl as integration
+from compiled_grpo.integrations.trl import EagerFusedHeadFunction, compiled_fused_head
+
+OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def head_inputs(seed=0, N=77, H=24, V=301, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=dtype)
+    weight = torch.randn(V, H, generator=g, dtype=dtype) / H**0.5 * 2
+    bias = torch.randn(V, generator=g, dtype=dtype) * 0.3
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[:4] = (hidden[:4] @ weight.T + bias).argmax(-1)  # some targets are the top-1 token
+    return hidden, weight, bias, targets, g
+
+
+@pytest.mark.parametrize("head", [{}, {"final_logit_softcapping": 3.0, "logit_scale": 0.7}], ids=["plain", "softcap"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_drop_in_matches_trls_function(head, temperature):
+    hidden, weight, bias, targets, g = head_inputs()
+    g_logp, g_entropy = torch.randn(len(targets), generator=g), torch.randn(len(targets), generator=g) * 0.1
+    results = []
+    for function in (ChunkedLogProbFunction, EagerFusedHeadFunction):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        out = function.apply(h, w, b, targets, temperature, 128, head.get("final_logit_softcapping"),
+                             head.get("logit_scale", 1.0), OUTPUTS)  # fmt: skip
+        ((out[0] * g_logp).sum() + (out[1] * g_entropy).sum()).backward()
+        results.append((out, (h.grad, w.grad, b.grad)))
+    (trl_out, trl_grads), (ours, our_grads) = results
+    for name, a, b in zip(("log_probs", *OUTPUTS), ours, trl_out, strict=True):
+        if name == "is_top1":
+            assert torch.equal(a, b) and bool(a[:4].all()), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    for name, a, b in zip(("hidden", "weight", "bias"), our_grads, trl_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_outputs_not_asked_for_are_none():
+    hidden, weight, bias, targets, _ = head_inputs()
+    out = EagerFusedHeadFunction.apply(hidden, weight, bias, targets, 1.0, 128, None, 1.0, ("log_probs",))
+    assert out[0].shape == targets.shape and all(x is None for x in out[1:])
+
+
+def test_the_switch_restores_trls_head():
+    import trl.trainer.utils as trl_utils
+
+    before = trl_utils._ChunkedLogProbFunction
+    with compiled_fused_head(compiled=False):
+        assert trl_utils._ChunkedLogProbFunction is EagerFusedHeadFunction
+    assert trl_utils._ChunkedLogProbFunction is before
+
+
+def one_step(make_trainer, ours: bool):
+    """Parameters after one optimizer step and the logged loss; TRL's head, or ours via the switch."""
+    trainer = make_trainer()
+    calls = []
+    original = integration.fused_linear_logprobs
+    integration.fused_linear_logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        if ours:
+            with compiled_fused_head(compiled=False):
+                trainer.train()
+        else:
+            trainer.train()
+    finally:
+        integration.fused_linear_logprobs = original
+    assert bool(calls) == ours  # the switch reached the trainer's head, and only inside the block
+    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}, loss
+
+
+def assert_same_step(make_trainer, rtol=1e-6):
+    theirs, their_loss = one_step(make_trainer, ours=False)
+    ours, our_loss = one_step(make_trainer, ours=True)
+    assert our_loss == pytest.approx(their_loss, rel=rtol, abs=1e-9)
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=rtol, atol=1e-9, msg=name)
+
+
+COMMON = {"per_device_train_batch_size": 4, "max_steps": 1, "learning_rate": 1e-2, "logging_steps": 1,
+          "report_to": [], "use_cpu": True, "save_strategy": "no", "bf16": False, "seed": 0}  # fmt: skip
+
+
+def test_sft_step_equals_trls(tmp_path):
+    base = tiny_model(dtype=torch.float32)
+    data = Dataset.from_dict({"text": ["a b c 1 2", "d e f 3", "1 2 a b c d", "g h i 4 5 6"] * 2})
+
+    def make():
+        args = SFTConfig(output_dir=str(tmp_path), max_length=16, **COMMON)
+        return SFTTrainer(model=copy.deepcopy(base), args=args, train_dataset=data, processing_class=tokenizer())
+
+    assert_same_step(make)
+
+
+def test_dpo_step_equals_trls(tmp_path):
+    base = tiny_model(dtype=torch.float32)
+    base.save_pretrained(tmp_path / "policy")  # DPO loads its reference model from the policy's path
+    base.config._name_or_path = str(tmp_path / "policy")
+    data = Dataset.from_dict({
+        "prompt": ["a b", "c d", "1 2", "e f"] * 2,
+        "chosen": [" 1 2", " 3", " a b", " 4 5"] * 2,
+        "rejected": [" c", " d e", " f", " g"] * 2,
+    })  # fmt: skip
+
+    def make():
+        args = DPOConfig(output_dir=str(tmp_path), max_length=16, **COMMON)
+        return DPOTrainer(model=copy.deepcopy(base), args=args, train_dataset=data, processing_class=tokenizer())
+
+    assert_same_step(make)
+
+
+def test_grpo_step_equals_trls(tmp_path):
+    base = tiny_model(dtype=torch.float32)
+    data = Dataset.from_dict({"prompt": ["a b c", "d e f", "1 2 a", "g h i"] * 2})
+
+    def make():
+        torch.manual_seed(0)  # the same sampled completions
+        args = GRPOConfig(output_dir=str(tmp_path), num_generations=4, max_completion_length=6, **COMMON)
+        return GRPOTrainer(model=copy.deepcopy(base), reward_funcs=digit_reward, args=args, train_dataset=data,
+                           processing_class=tokenizer())  # fmt: skip
+
+    assert_same_step(make, rtol=1e-5)
+
+
+def test_compiled_grpo_trainer_old_log_probs_equal_the_losss(tmp_path):
+    """With old log-probs computed (num_iterations=2), CompiledGRPOTrainer scores them with this library's kernels:
+    on the first (on-policy) step they equal the loss's log-probs bitwise, so the importance ratio is exactly 1."""
+    from test_integration_trl import make_trainer
+
+    from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+
+    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(dtype=torch.float32), num_iterations=2)
+    seen = []
+    loss_fn = trainer.fused_loss
+
+    class Spy:
+        kernels = loss_fn.kernels
+
+        def __call__(self, *args, **kwargs):
+            out = loss_fn(*args, **kwargs)
+            seen.append((kwargs["old_per_token_logps"], out.per_token_logps, args[3].bool()))
+            return out
+
+    trainer.fused_loss = Spy()
+    trainer.train()
+    old, logp, mask = seen[0]
+    assert old is not None and bool(mask.any())
+    assert torch.equal(old[mask], logp[mask])
