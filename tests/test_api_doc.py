@@ -23,6 +23,16 @@ def rows_of(section: str) -> list[str]:
     return re.findall(r"^\| `([a-z_]+)` \|", body, flags=re.MULTILINE)
 
 
+def primitive_options() -> tuple[str, ...]:
+    import inspect
+
+    from compiled_grpo.logprobs import TILE_OPTIONS, fused_linear_logprobs
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    names = [p.name for p in inspect.signature(fused_linear_logprobs).parameters.values() if p.kind == keyword]
+    return (*names, *TILE_OPTIONS)
+
+
 def call_inputs() -> tuple[str, ...]:
     from compiled_grpo.loss import CALL_INPUTS
 
@@ -36,6 +46,7 @@ def call_inputs() -> tuple[str, ...]:
         ("Constructor options", CONSTRUCTOR_OPTIONS),
         ("Call inputs", call_inputs()),
         ("Output", tuple(f.name for f in dataclasses.fields(GRPOLossOutput))),
+        ("Primitive", primitive_options()),
     ],
 )
 def test_every_name_has_a_row_and_every_row_a_name(section, names):
