@@ -22,9 +22,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from compiled_grpo import LOSS_TYPES
 
-from . import entropy_audit, loss_audit, quantile_audit, report
+from . import entropy_audit, logprobs_audit, loss_audit, quantile_audit, report
 
-AUDITS = ("loss", "quantile", "entropy")
+AUDITS = ("loss", "logprobs", "quantile", "entropy")
 MODES = ("eager", "compiled")
 
 
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks mean fp32 GEMMs
     cells = loss_audit.loss_cells(args.loss_types, dtypes, args.modes) if "loss" in args.only else []
-    total = len(cells) * len(seeds)
+    primitive = logprobs_audit.cells(dtypes, args.modes) if "logprobs" in args.only else []
+    total = len(cells) * len(seeds) + len(primitive)
     total += quantile_audit.steps(args.full) if "quantile" in args.only else 0
     total += entropy_audit.steps(args.full) if "entropy" in args.only else 0
     started = time.time()
@@ -91,6 +92,9 @@ def main(argv=None) -> int:
         if cells:
             progress.update(task, description="loss cells (the first compiled cells compile the tiles)")
             results += loss_audit.run(cells, size, args.device, seeds, advance)
+        if primitive:
+            progress.update(task, description="fused_linear_logprobs against the float64 primitive")
+            results += logprobs_audit.run(primitive, size, args.device, advance)
         if "quantile" in args.only:
             progress.update(task, description="entropy threshold vs numpy / scipy")
             results += quantile_audit.run(args.full, advance)

@@ -84,3 +84,17 @@ def test_a_run_replaces_the_last_runs_report_and_plots(tmp_path):
     assert not (tmp_path / "bf16_error_distribution.png").exists()  # no bf16 cell ran: no bf16 plot
     assert (tmp_path / "notes.txt").read_text() == "kept"
     assert "quantile" in (tmp_path / "audit.md").read_text()
+
+
+def test_primitive_audit_fails_when_the_entropy_gradient_is_dropped(tmp_path, monkeypatch):
+    """A backward that never forms the entropy term fails the primitive's cells that have an entropy gradient,
+    and only those."""
+    from compiled_grpo.schedules import sparse
+
+    keep_rows = sparse.rows_with_gradient
+    monkeypatch.setattr(sparse, "rows_with_gradient", lambda g_logp, g_entropy: (keep_rows(g_logp, g_entropy)[0],
+                                                                                    False))  # fmt: skip
+    argv = ["--only", "logprobs", "--modes", "eager", "--dtype", "float32", "--out", str(tmp_path)]
+    assert main(argv) == 1
+    failing = (tmp_path / "audit.md").read_text().split("## Failing cells")[1].split("##")[0]
+    assert "plain" in failing and "no entropy gradient" not in failing

@@ -1,0 +1,130 @@
+"""The primitive's audit: `fused_linear_logprobs` against the float64 reference primitive (full logits, plain
+autograd), one cell per case x dtype x mode (eager, compiled).
+
+Cases: plain; temperature per token; temperature per sequence; logit scale, softcap and bias; a custom
+ignore_index; 80% of the rows with zero upstream gradient (the sparse backward); no entropy gradient. Each cell
+checks per-token logp and entropy, that ignored targets give exactly 0, and the gradients of hidden, weight and
+bias for the case's upstream gradients (bf16: the three-way bound against plain bf16 autograd on full logits,
+as the loss audit). The vocabulary (V = 1021 quick) is not a multiple of any vocabulary tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from compiled_grpo import fused_linear_logprobs
+
+from . import reference, tolerances
+from .loss_audit import DTYPES, Size, relative_error
+from .results import CellResult
+
+CASES = ("plain", "temperature per token", "temperature per sequence", "scale softcap bias", "ignore_index 7",
+         "80% zero-gradient rows", "no entropy gradient")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LogProbsCell:
+    case: str
+    dtype: str
+    mode: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.case:26s} {self.dtype:8s} {self.mode}"
+
+
+def cells(dtypes=tuple(DTYPES), modes=("eager", "compiled")) -> list[LogProbsCell]:
+    return [LogProbsCell(c, d, m) for c in CASES for d in dtypes for m in modes]
+
+
+def make_case(case: str, size: Size, dtype, device: str, seed: int = 0) -> dict:
+    """Inputs, primitive options and upstream gradients of a case."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, V = size.B, size.T, size.H, size.V
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    ignore = 7 if case == "ignore_index 7" else -100
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[torch.rand(B, T, generator=g) < 0.25] = ignore
+    targets[0, T // 2 :] = ignore
+    options = {"ignore_index": ignore}
+    if case == "temperature per token":
+        options["temperature"] = (torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5).to(device)
+    elif case == "temperature per sequence":
+        options["temperature"] = (torch.rand(B, 1, generator=g, dtype=torch.float64) + 0.5).to(device)
+    elif case == "scale softcap bias":
+        options.update(logit_scale=0.7, final_logit_softcapping=4.0, temperature=0.8)
+    g_logp, g_entropy = rn(B, T), rn(B, T) * 0.3
+    if case == "80% zero-gradient rows":
+        keep = torch.rand(B, T, generator=g) < 0.2
+        g_logp, g_entropy = g_logp * keep, g_entropy * keep
+    if case == "no entropy gradient":
+        g_entropy = None
+    x = {
+        "hidden": rn(B, T, H).to(dtype).to(device),
+        "weight": (rn(V, H) * 2 / math.sqrt(H)).to(dtype).to(device),
+        "bias": (rn(V) * 0.3).to(dtype).to(device) if case == "scale softcap bias" else None,
+        "targets": targets.to(device),
+    }
+    upstream = (g_logp.float().to(device), None if g_entropy is None else g_entropy.float().to(device))
+    return {"x": x, "options": options, "upstream": upstream}
+
+
+def gradients(fn, x: dict, upstream, dtype=None):
+    """(logp, entropy, {name: gradient}) of fn on fresh leaves (converted to `dtype` when given)."""
+    leaves = {k: None if v is None else v.detach().to(dtype or v.dtype).clone().requires_grad_()
+              for k, v in x.items() if k != "targets"}  # fmt: skip
+    logp, entropy = fn(leaves["hidden"], leaves["weight"], x["targets"], bias=leaves["bias"])
+    g_logp, g_entropy = upstream
+    total = (logp * g_logp.to(logp.dtype)).sum()
+    if g_entropy is not None:
+        total = total + (entropy * g_entropy.to(entropy.dtype)).sum()
+    total.backward()
+    return logp, entropy, {k: v.grad for k, v in leaves.items() if v is not None}
+
+
+def naive(hidden, weight, targets, bias=None, ignore_index=-100, temperature=1.0, logit_scale=1.0,
+          final_logit_softcapping=None):  # fmt: skip
+    """Plain full-logits autograd in the inputs' dtype: the three-way bound's baseline."""
+    z = hidden @ weight.T + (0 if bias is None else bias)
+    z = z * logit_scale
+    if final_logit_softcapping is not None:
+        z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+    z = z / (temperature.to(z.dtype).unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature)
+    log_p = z.log_softmax(-1)
+    valid = targets != ignore_index
+    logp = torch.where(valid, log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0)
+    return logp.float(), torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0).float()
+
+
+def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
+    result = CellResult("logprobs", cell.name, params={**cell.__dict__})
+    x, options, upstream = case["x"], case["options"], case["upstream"]
+    ours = lambda h, w, t, bias: fused_linear_logprobs(h, w, t, bias=bias, compiled=cell.mode == "compiled",
+                                                       **options)  # fmt: skip
+    ref = lambda h, w, t, bias: reference.fused_linear_logprobs(h, w, t, bias=bias, **options)[:2]
+    logp, entropy, grads = gradients(ours, x, upstream)
+    ref_logp, ref_entropy, ref_grads = gradients(ref, x, upstream, torch.float64)
+    tol = tolerances.for_dtype(cell.dtype)
+    result.check("logp", relative_error(logp, ref_logp), tol["logp"])
+    result.check("entropy", relative_error(entropy, ref_entropy), tol["entropy"])
+    ignored = x["targets"] == options["ignore_index"]
+    result.check("ignored targets exactly 0", float((logp[ignored] != 0).sum() + (entropy[ignored] != 0).sum()), 0.0)
+    naive_grads = gradients(lambda h, w, t, bias: naive(h, w, t, bias, **options), x, upstream)[2]
+    for k, g in ref_grads.items():
+        bound = tol["gradient"]
+        if bound is None:
+            slack = tolerances.BF16_GRADIENT_SLACK
+            bound = min(relative_error(naive_grads[k], g) + slack, tolerances.BF16_GRADIENT_CEILING)
+        result.check(f"d {k}", relative_error(grads[k], g), bound)
+    return result
+
+
+def run(audit_cells: list[LogProbsCell], size: Size, device: str, advance=lambda: None) -> list[CellResult]:
+    results = []
+    for cell in audit_cells:
+        results.append(audit_cell(cell, make_case(cell.case, size, DTYPES[cell.dtype], device)))
+        advance()
+    return results
