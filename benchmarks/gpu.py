@@ -28,9 +28,7 @@ import torch
 import reference
 from benchmarks import plots
 from benchmarks.rows import gradient_rows
-from compiled_grpo import FusedLinearGRPOLoss
-
-H, V = 4096, 151936
+from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,8 @@ class Shape:
     q: float = 1.0
     beta: float = 0.0  # with ref_hidden / ref_weight
     zero_advantage: bool = False  # half the sequences at advantage 0 (every other group of GROUP completions)
+    H: int = 4096
+    V: int = 151936
 
 
 GROUP = 4
@@ -55,12 +55,16 @@ SHAPES = {
     "S1-half0": Shape("S1-half0", 8, 1024, zero_advantage=True),
     "S1-q0.2-half0": Shape("S1-q0.2-half0", 8, 1024, q=0.2, zero_advantage=True),
     "S3-q0.2": Shape("S3-q0.2", 4, 8192, q=0.2),
+    "H896": Shape("H896", 8, 1024, H=896),  # Qwen2.5-0.5B's head
+    "H1536": Shape("H1536", 8, 1024, H=1536),  # Qwen2.5-1.5B's head
+    "H896-q0.2": Shape("H896-q0.2", 8, 1024, q=0.2, H=896),
+    "H1536-q0.2": Shape("H1536-q0.2", 8, 1024, q=0.2, H=1536),
 }
 
 
 def make_inputs(shape: Shape, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt, H, V = "cuda", torch.bfloat16, shape.H, shape.V
     x = {
         "hidden": torch.randn(shape.B, shape.T, H, device=dev, dtype=dt, generator=g),
         "weight": (torch.randn(V, H, device=dev, dtype=dt, generator=g) * H**-0.5 * 2).requires_grad_(),
@@ -87,7 +91,7 @@ def loss_settings(shape: Shape) -> dict:
 
 # ---------------------------------------------------------------- methods: each returns a closure or a reason
 def floor(shape, x):
-    active = x["hidden"].reshape(-1, H)[x["mask"].reshape(-1).bool()]
+    active = x["hidden"].reshape(-1, shape.H)[x["mask"].reshape(-1).bool()]
     w = x["weight"].detach()
 
     def run():
@@ -128,6 +132,40 @@ def full_logits(shape, x):
         return logp, -(log_p.exp() * log_p).sum(-1)
 
     return head_then_loss(logp_entropy, shape, x)
+
+
+def plain_compile(shape, x):
+    """The loss a user would write on full logits, under torch.compile (dapo, on-policy, token level)."""
+    if shape.q < 1 or shape.beta:
+        return "not written: the plain loss here is dense dapo without KL"
+
+    def plain_loss(hidden, weight, ids, mask, advantages):
+        log_p = (hidden @ weight.T).float().log_softmax(-1)
+        logp = log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        ratio = torch.exp(logp - logp.detach())
+        a = advantages.unsqueeze(-1)
+        per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+        tokens = mask.sum().clamp(min=1)
+        return (per_token * mask).sum() / tokens, (entropy.detach() * mask).sum() / tokens
+
+    compiled = torch.compile(plain_loss)
+
+    def run():
+        h = x["hidden"].detach().requires_grad_()
+        compiled(h, x["weight"], x["ids"], x["mask"], x["advantages"])[0].backward()
+
+    return run
+
+
+def primitive(shape, x):
+    """`fused_linear_logprobs` (compiled) with the same loss on top, as a framework's own loss would use it."""
+    targets = torch.where(x["mask"].bool(), x["ids"], -100)
+
+    def head(hidden, weight):
+        return fused_linear_logprobs(hidden, weight, targets, validate=False)
+
+    return head_then_loss(head, shape, x)
 
 
 def trl_fused_head(shape, x):
@@ -198,6 +236,7 @@ def ours(schedule, compiled, packed=False, **tiles):
 METHODS = {
     "floor: three lm_head GEMMs": floor,
     "full logits + autograd": full_logits,
+    "plain loss under torch.compile": plain_compile,
     "TRL 1.16 fused head + loss": trl_fused_head,
     "Liger 0.8.5": liger,
     "compiled_grpo speed, eager": ours("speed", False),
@@ -207,6 +246,7 @@ METHODS = {
     "compiled_grpo sparse, compiled": ours("sparse", True),
     "compiled_grpo auto, compiled": ours("auto", True),
     "compiled_grpo auto, compiled, packed": ours("auto", True, packed=True),
+    "compiled_grpo primitive + loss, compiled": primitive,
 }
 
 
@@ -281,14 +321,16 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         "# GPU benchmark",
         "",
         f"{info['gpu']}; torch {info['torch']}, Triton {info['triton']}, TRL {info['trl']}, "
-        f"Liger {info['liger-kernel']}, transformers {info['transformers']}. bf16, H={H}, V={V}, dapo, forward + "
+        f"Liger {info['liger-kernel']}, transformers {info['transformers']}. bf16, H=4096 and V=151936 unless the "
+        "shape says otherwise, dapo, forward + "
         f"backward of the whole loss, median of {repeats} runs after 3 warm-ups (CUDA events); peak memory above "
         "the inputs. `/ floor` is against the three lm_head GEMMs over the active tokens, `/ TRL` against TRL "
         "1.16.0's fused head + the same loss, both measured in the same run.",
         "",
         "Shapes: S1 B=8 T=1024 (all active); S2 B=16 T=1024, lengths uniform in [1, 1024]; S3 B=4 T=8192; "
         "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight; -half0: "
-        "every other group of 4 sequences at advantage 0. `gradient rows`: the tokens that went through the "
+        "every other group of 4 sequences at advantage 0; H896 and H1536: S1 with hidden size 896 (Qwen2.5-0.5B's "
+        "head) and 1536 (1.5B's). `gradient rows`: the tokens that went through the "
         "gradient pass (the baselines: every active token).",
         "",
     ]
@@ -345,7 +387,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps({"versions": info, "rows": rows}, indent=1))
     write_markdown(rows, info, out, args.repeats)
-    plots.draw(rows, out / "gpu.png", plots.run_title(f"{info['gpu']}, bf16, H={H}, V={V}", rows))
+    plots.draw(rows, out / "gpu.png", plots.run_title(f"{info['gpu']}, bf16, dapo", rows))
 
 
 if __name__ == "__main__":
