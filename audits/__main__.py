@@ -1,4 +1,5 @@
-"""`python -m audits`: the numerics audit of the fused GRPO loss, with a verdict and the evidence.
+"""`python -m audits`: the numerics audit of the fused GRPO loss and of the per-token primitive under it, with a
+verdict and the evidence.
 
     python -m audits                        # --quick: every loss type x IS level x quantile x dtype x mode
     python -m audits --full                 # larger sizes, two seeds, more vocabulary sizes, 2**24+ ties

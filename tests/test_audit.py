@@ -55,8 +55,8 @@ def test_audit_fails_on_a_per_chunk_entropy_threshold(tmp_path, capsys, monkeypa
     [
         (["--modes", "jit"], "eager, compiled"),
         (["--loss-types", "ppo"], "grpo"),
-        (["--only", "bogus"], "loss, quantile, entropy"),
-        (["--only", ","], "loss, quantile, entropy"),
+        (["--only", "bogus"], "loss, logprobs, quantile, entropy"),
+        (["--only", ","], "loss, logprobs, quantile, entropy"),
         (["--modes", ""], "eager, compiled"),
     ],
 )
@@ -73,8 +73,8 @@ def test_a_selection_that_checks_nothing_is_refused(argv, valid, tmp_path, capsy
 def test_help_lists_the_values(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    out = capsys.readouterr().out
-    assert "loss, quantile, entropy" in out and "eager, compiled" in out and "dapo" in out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "loss, logprobs, quantile, entropy" in out and "eager, compiled" in out and "dapo" in out
 
 
 def test_a_run_replaces_the_last_runs_report_and_plots(tmp_path):

@@ -1,5 +1,5 @@
 """The library's code stays legible: no function takes more than six positional parameters (values that travel
-together go in records), and nothing caches a lambda. The Liger drop-in keeps Liger's own signature."""
+together go in records), and nothing caches a lambda. The Liger, TRL and verl drop-ins keep those libraries' signatures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "compiled_grpo"
-KEEPS_A_FOREIGN_SIGNATURE = {("compat.py", "__init__"), ("compat.py", "forward")}
+KEEPS_A_FOREIGN_SIGNATURE = {  # drop-ins called with another library's positional arguments
+    ("compat.py", "__init__"),  # Liger's LigerFusedLinearGRPOLoss
+    ("compat.py", "forward"),
+    ("integrations/trl.py", "apply"),  # TRL's ChunkedLogProbFunction.apply
+    ("integrations/verl.py", "linear_cross_entropy"),  # verl's linear_cross_entropy
+}
 MAX_POSITIONAL = 6
 
 
