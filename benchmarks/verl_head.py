@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import zipfile
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import plots
+from benchmarks.gpu import measure
 from compiled_grpo.integrations import verl as adapter
 
 H, V, SEQUENCES, LENGTH, GROUP = 4096, 151936, 16, 1024, 4
@@ -114,25 +114,6 @@ def floor(x: dict):
     _ = z.T @ h
 
 
-def measure(fn, repeats: int, x: dict):
-    """(median ms, peak GiB above what is allocated before a call, the last call's gradients freed)."""
-    for _ in range(3):
-        fn()
-    x["weight"].grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
 def agreement(out, ref) -> dict:
     """Largest differences from verl's Triton kernel: absolute for logp and entropy, relative for gradients."""
     rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
@@ -147,7 +128,7 @@ def run(scenario: str, repeats: int, methods: dict) -> list[dict]:
         row = {"shape": scenario, "method": name, "tokens": x["labels"].numel()}
         try:
             fn = (lambda: floor(x)) if head is None else (lambda head=head: step(head, x))
-            row["ms"], row["peak_gib"] = measure(fn, repeats, x)
+            row["ms"], row["peak_gib"] = measure(fn, x, repeats)
             if head is not None:
                 out = step(head, x)
                 reference = out if reference is None else reference
