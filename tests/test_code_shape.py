@@ -1,5 +1,6 @@
 """The library's code stays legible: no function takes more than six positional parameters (values that travel
-together go in records), and nothing caches a lambda. The Liger, TRL and verl drop-ins keep those libraries' signatures."""
+together go in records), and nothing caches a lambda. The Liger, TRL and verl drop-ins keep those libraries'
+signatures."""
 
 from __future__ import annotations
 

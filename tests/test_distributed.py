@@ -205,6 +205,42 @@ def test_vocab_parallel_matches_unsharded_head():
     spawn(vocab_parallel_worker, 2, 11)
 
 
+def primitive_vocab_parallel_worker(rank, world, seed):
+    """fused_linear_logprobs with each rank holding an equal slice of the vocabulary (as verl's
+    `dist_process_group` has it, through the verl adapter's signature): the unsharded head's log-probs,
+    entropies and gradients, per-token temperature and ignored targets included."""
+    from compiled_grpo.integrations.verl import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 2 * 20
+    hidden = torch.randn(2, 9, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, H, generator=g, dtype=torch.float64) / H**0.5
+    targets = torch.randint(0, vocab, (2, 9), generator=g)
+    temperature = torch.rand(2, 9, generator=g, dtype=torch.float64) + 0.5
+    g_logp, g_entropy = torch.randn(2, 9, generator=g, dtype=torch.float64), torch.randn(2, 9, generator=g)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = reference.fused_linear_logprobs(h, w, targets, temperature=temperature)
+    ((ref.logp * g_logp).sum() + (ref.entropy * g_entropy).sum()).backward()
+    init(rank, world)
+    try:
+        lo, hi = rank * vocab // world, (rank + 1) * vocab // world
+        mine_h = hidden.to(device()).requires_grad_()
+        mine_w = weight[lo:hi].clone().to(device()).requires_grad_()
+        logp, entropy = linear_cross_entropy(mine_h, mine_w, targets.to(device()), temperature.to(device()),
+                                             "none", dist.group.WORLD, compiled=False)  # fmt: skip
+        ((logp * g_logp.flatten().to(device())).sum() + (entropy * g_entropy.flatten().to(device())).sum()).backward()
+        close(logp, ref.logp.flatten(), f"rank {rank} vocab-parallel primitive logp")
+        close(entropy, ref.entropy.flatten(), "entropy")
+        close(mine_h.grad, h.grad, "hidden gradient")
+        close(mine_w.grad, w.grad[lo:hi], "weight gradient slice")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_primitive_matches_unsharded_head():
+    spawn(primitive_vocab_parallel_worker, 2, 13)
+
+
 def dtensor_worker(rank, world, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
