@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 FLOOR = "floor"  # the method whose name starts with this is the floor of its shape
@@ -30,7 +31,7 @@ def draw(rows: list[dict], path: Path, title: str) -> Path:
     methods = list(dict.fromkeys(r["method"] for r in ran))
     has_memory = any(r.get("peak_gib") is not None for r in ran)
     height = sum(0.32 * sum(r["shape"] == s for r in ran) + 0.9 for s in shapes)
-    fig, axes = plt.subplots(len(shapes), 2 if has_memory else 1, figsize=(13 if has_memory else 8, height + 0.8),
+    fig, axes = plt.subplots(len(shapes), 2 if has_memory else 1, figsize=(13 if has_memory else 9, height + 1.0),
                              squeeze=False, gridspec_kw={"height_ratios": [sum(r["shape"] == s for r in ran) + 1
                                                                           for s in shapes]})  # fmt: skip
     colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
@@ -40,8 +41,8 @@ def draw(rows: list[dict], path: Path, title: str) -> Path:
         if has_memory:
             _panel(row_axes[1], mine, "peak_gib", colors, f"{shape}: peak memory above inputs (GiB)")
             row_axes[1].set_yticklabels([])
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    fig.suptitle(textwrap.fill(title, 150 if has_memory else 100), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.975))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
