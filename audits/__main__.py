@@ -30,9 +30,12 @@ MODES = ("eager", "compiled")
 
 
 def program_name() -> str:
-    """How the audit was started: `compiled-grpo-audit` (the installed script) or `python -m audits`."""
-    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return script if script.startswith("compiled-grpo-audit") else "python -m audits"
+    """How the audit was started: `compiled-grpo-audit` (the installed script), `python -m compiled_grpo.audits`
+    (the installed package) or `python -m audits` (a checkout)."""
+    started = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if started.name.startswith("compiled-grpo-audit"):
+        return started.name
+    return "python -m compiled_grpo.audits" if started.parent.parent.name == "compiled_grpo" else "python -m audits"
 
 
 def comma_list(ap, flag: str, text: str, valid: tuple[str, ...]) -> tuple[str, ...]:

@@ -31,3 +31,9 @@ def test_wheel_installs_no_generic_top_level_names_and_its_audit_runs(tmp_path):
         [sys.executable, "-c", "import compiled_grpo.audits as a; print(a.reference.__file__)"],
         cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
+    script = [str(site / "bin" / "compiled-grpo-audit")]
+    module = [sys.executable, "-m", "compiled_grpo.audits"]
+    for command, name in ((script, "compiled-grpo-audit"), (module, "python -m compiled_grpo.audits")):
+        usage = subprocess.run([*command, "--help"], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+        assert usage.startswith(f"usage: {name} "), usage[:80]
