@@ -137,3 +137,21 @@ def test_install_restores_verls_kernels():
     with adapter.compiled_grpo_kernels(compiled=False):
         assert torch_backend.FusedLinearForPPO is adapter.EagerFusedLinearForPPO
     assert (triton_backend.linear_cross_entropy, torch_backend.FusedLinearForPPO) == before
+
+
+@pytest.mark.parametrize("module", ["dense_common", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5"])
+def test_every_fused_forward_looks_up_the_names_install_replaces(module):
+    """The VL models' fused forwards (not run here: they need their vision towers) reach the kernels the same
+    way as the dense one: each imports `linear_cross_entropy` and `FusedLinearForPPO` from the modules `install`
+    patches, at call time, so the patch reaches them."""
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(f"verl.models.transformers.{module}"))
+    lookups = {
+        "forward_with_triton_backend": "from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy",
+        "forward_with_torch_backend": "from verl.utils.experimental.torch_functional import FusedLinearForPPO",
+    }
+    for name, lookup in lookups.items():
+        body = source.split(f"def {name}(")[1].split("\ndef ")[0]
+        assert lookup in body, f"{module}.{name} does not import its kernel at call time"
