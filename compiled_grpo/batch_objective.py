@@ -99,6 +99,25 @@ def metrics(objective: Objective, logp, entropy, entropy_mask, policy_loss) -> d
         return out
 
 
+# ---------------------------------------------------------------- the gradient the speed schedule needs per tile
+def rows_loss(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers) -> torch.Tensor:
+    """`Objective.loss_of_rows`'s loss as a function of tensors and settings alone (`coef` None: no entropy bonus),
+    so that torch.func.grad and torch.compile can take it whole."""
+    loss, _ = per_token_loss(logp, batch, cfg, None)
+    policy = reduce_rows(loss, batch.mask, cfg, norms)
+    return policy if coef is None else policy - coef * bonus_of_rows(entropy, batch.mask, None, norms)
+
+
+def loss_gradients(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers):
+    """(d loss / d logp, d loss / d entropy) at every [B, T] position (zeros where the loss does not reach)."""
+    return torch.func.grad(rows_loss, argnums=(3, 4))(cfg, batch, coef, logp, entropy, norms)
+
+
+# One graph per loss configuration, any batch shape: the ~50 small kernels of the objective and its backward
+# become a few, which at small hidden sizes is time the GPU otherwise spends waiting for the host.
+compiled_loss_gradients = torch.compile(loss_gradients, dynamic=True)
+
+
 # ---------------------------------------------------------------- the objective of one call
 class Objective:
     """One call's objective: its settings, its [B,T] inputs, its step context and the data-parallel group.
@@ -125,6 +144,13 @@ class Objective:
         if not self.step.bonus_on:
             return policy, policy
         return policy - self.step.entropy_coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
+
+    def token_gradients(self, logp, entropy, norms: Normalizers, compiled: bool = False):
+        """d loss / d (logp, entropy) at every [B, T] position, without the entropy mask (the speed schedule's
+        objectives); `compiled`: one torch.compile graph per loss configuration."""
+        coef = self.step.entropy_coef if self.step.bonus_on else None
+        gradients = compiled_loss_gradients if compiled else loss_gradients
+        return gradients(self.cfg, self.batch, coef, logp, entropy, norms)
 
     def loss_and_metrics(self, logp, entropy, entropy_mask=None, norms: Normalizers | None = None):
         """The batch's loss (differentiable in logp and entropy) and TRL's metrics."""

@@ -82,3 +82,35 @@ def test_more_tile_shapes_than_dynamos_default_recompile_limit():
         logp, entropy, lse = kernels.statistics(x, targets, Head(w, None, head, False))
         expected = torch.log_softmax(x @ w.T, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(logp, expected)
+
+
+@pytest.mark.parametrize(
+    "settings, inputs",
+    [
+        ({"loss_type": "dapo"}, {}),
+        ({"loss_type": "grpo", "beta": 0.04, "entropy_coef": 0.01}, {"ref": True, "bias": True}),
+        ({"loss_type": "vespo"}, {"is_shape": "BT"}),
+        (
+            {"loss_type": "luspo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.1},
+            {"sampling": True},
+        ),
+        ({"loss_type": "sapo", "delta": 1.5}, {"zero_advantage_rows": 1}),
+    ],
+)
+def test_compiled_objective_of_the_speed_schedule(settings, inputs, monkeypatch):
+    """The speed schedule's per-tile objective gradient under torch.compile (what a GPU runs): the reference's
+    loss and gradients, and new batch shapes and entropy coefficients reuse its graph."""
+    from compiled_grpo.schedules import speed
+
+    monkeypatch.setattr(speed, "COMPILE_OBJECTIVE_ON_CPU", True)
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="speed", **TILES, **settings)
+    frames = counters["stats"]["calls_captured"]
+    for i, (B, T) in enumerate(((3, 37), (4, 29), (5, 41))):
+        x = make_inputs(seed=10 + i, B=B, T=T, dtype=torch.float32, **inputs)
+        ref, ref_grads = run_reference(x, settings)
+        out, out_grads = run_fused(loss_fn, x)
+        assert_matches(out, out_grads, ref, ref_grads, rtol=2e-5)
+        if i == 0:
+            graphs = graphs_compiled()
+            assert counters["stats"]["calls_captured"] > frames  # the objective was traced, not run eagerly
+    assert graphs_compiled() == graphs, "a new batch shape recompiled the objective"

@@ -102,16 +102,15 @@ class FlatStatistics:
         return self.logp[: self.numel].view(shape), self.entropy[: self.numel].view(shape)
 
 
-def tile_gradients(objective: Objective, flat: FlatStatistics, norms, plan: TilePlan, s: int, n: int):
-    """d loss / d (logp, entropy) for the tokens of slots s..s+n, from the objective on [B,T] with the batch's
+def tile_gradients(objective: Objective, flat: FlatStatistics, norms, plan: TilePlan, tile, compiled: bool):
+    """d loss / d (logp, entropy) for the tokens of the tile (s, n), from the objective on [B,T] with the batch's
     normalizers (exact: a token's gradient depends only on its own row's values, all of them in this tile)."""
     shape = objective.inputs.completion_mask.shape
-    lp = flat.logp[: flat.numel].detach().clone().requires_grad_()
-    h = flat.entropy[: flat.numel].detach().clone().requires_grad_()
-    loss, _ = objective.loss_of_rows(lp.view(shape), h.view(shape), norms)
-    g_lp, g_h = torch.autograd.grad(loss, (lp, h), allow_unused=True, materialize_grads=True)
+    logp, entropy = flat.view(shape)
+    g_lp, g_h = objective.token_gradients(logp.detach(), entropy.detach(), norms, compiled)
+    s, n = tile
     src, valid = plan.source[s : s + n], plan.valid[s : s + n]
-    return torch.where(valid, g_lp[src], 0.0), torch.where(valid, g_h[src], 0.0)
+    return torch.where(valid, g_lp.reshape(-1)[src], 0.0), torch.where(valid, g_h.reshape(-1)[src], 0.0)
 
 
 def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
@@ -137,6 +136,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         loss, metrics = objective.loss_and_metrics(logp, entropy)
         return loss, metrics, logp, entropy, None
     grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
+    compile_objective = compiles_objective(engine, hidden)
     norms = None
     for s, n in tiles:
         logp, entropy, lse, product = engine.kernels.statistics_and_product(
@@ -145,7 +145,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         flat.write(dest[s : s + n], logp, entropy)
         # made after the first GEMM is queued, so the GPU does not wait while the host launches their kernels
         norms = objective.normalizers() if norms is None else norms
-        g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, s, n)
+        g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, (s, n), compile_objective)
         grads.add(engine.kernels, s, product, RowGradients(targets[s : s + n], lse, entropy, g_logp, g_entropy))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
@@ -160,6 +160,15 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     d_bias = db.to(head.bias.dtype) if wanted.bias else None
     loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, (d_hidden, d_weight, d_bias))
     return loss, metrics, logp, entropy, None
+
+
+def compiles_objective(engine: Engine, hidden) -> bool:
+    """The objective's per-tile gradient under torch.compile: compiled tiles on a GPU, where its eager launches
+    leave the GPU idle (on a CPU there is nothing to hide, and each loss configuration would cost a compile)."""
+    return engine.kernels.compiled and (hidden.is_cuda or COMPILE_OBJECTIVE_ON_CPU)
+
+
+COMPILE_OBJECTIVE_ON_CPU = False  # tests set it to check the compiled objective where no GPU is
 
 
 def differentiable(hidden, head: Head) -> bool:
