@@ -56,7 +56,8 @@ def test_repeated_calls_are_bitwise_equal(schedule):
 def test_deterministic_mode_runs_and_matches_the_default(schedule, monkeypatch):
     """Deterministic mode recompiles the tiles under Inductor's deterministic settings and is itself bitwise
     reproducible. The memory and sparse schedules give the default's bits; the speed schedule (and "auto",
-    which picks it here) may differ from the default in the last bit of logp and dW."""
+    which picks it here) may differ from the default in the last bit of logp, and its gradients by the bf16
+    rounding of a logits gradient whose last float32 bit changed."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=schedule, **SCHEDULES[schedule])
     x = cuda_inputs(seed=2)
@@ -70,7 +71,11 @@ def test_deterministic_mode_runs_and_matches_the_default(schedule, monkeypatch):
     if schedule in ("memory", "sparse"):
         assert_bitwise(deterministic, default)
     for name, value in default.items():
-        torch.testing.assert_close(deterministic[name], value, rtol=2e-7, atol=1e-6, equal_nan=True, msg=name)
+        if name.startswith("d "):  # a last-bit change of the logits gradient can flip its bf16 rounding
+            scale = float(value.abs().max())
+            assert float((deterministic[name] - value).abs().max()) <= 1e-2 * scale, name
+        else:
+            torch.testing.assert_close(deterministic[name], value, rtol=2e-7, atol=1e-6, equal_nan=True, msg=name)
 
 
 def test_soak_keeps_memory_flat_and_graphs_bounded():
