@@ -149,6 +149,8 @@ class Objective:
         """d loss / d (logp, entropy) at every [B, T] position, without the entropy mask (the speed schedule's
         objectives); `compiled`: one torch.compile graph per loss configuration."""
         coef = self.step.entropy_coef if self.step.bonus_on else None
+        if coef is not None and not isinstance(coef, torch.Tensor):  # a new float would recompile the graph
+            coef = logp.new_full((), float(coef))
         gradients = compiled_loss_gradients if compiled else loss_gradients
         return gradients(self.cfg, self.batch, coef, logp, entropy, norms)
 

@@ -99,7 +99,7 @@ def test_more_tile_shapes_than_dynamos_default_recompile_limit():
 )
 def test_compiled_objective_of_the_speed_schedule(settings, inputs, monkeypatch):
     """The speed schedule's per-tile objective gradient under torch.compile (what a GPU runs): the reference's
-    loss and gradients, and new batch shapes and entropy coefficients reuse its graph."""
+    loss and gradients, and new batch shapes and per-call entropy coefficients reuse its graph."""
     from compiled_grpo.schedules import speed
 
     monkeypatch.setattr(speed, "COMPILE_OBJECTIVE_ON_CPU", True)
@@ -108,7 +108,9 @@ def test_compiled_objective_of_the_speed_schedule(settings, inputs, monkeypatch)
     for i, (B, T) in enumerate(((3, 37), (4, 29), (5, 41))):
         x = make_inputs(seed=10 + i, B=B, T=T, dtype=torch.float32, **inputs)
         ref, ref_grads = run_reference(x, settings)
-        out, out_grads = run_fused(loss_fn, x)
+        coef = {"entropy_coef": 0.01 * (i + 1)} if "entropy_coef" in settings else {}
+        ref, ref_grads = run_reference(x, {**settings, **coef})
+        out, out_grads = run_fused(loss_fn, x, **coef)
         assert_matches(out, out_grads, ref, ref_grads, rtol=2e-5)
         if i == 0:
             graphs = graphs_compiled()
