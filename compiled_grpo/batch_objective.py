@@ -100,17 +100,20 @@ def metrics(objective: Objective, logp, entropy, entropy_mask, policy_loss) -> d
 
 
 # ---------------------------------------------------------------- the gradient the speed schedule needs per tile
-def rows_loss(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers) -> torch.Tensor:
-    """`Objective.loss_of_rows`'s loss as a function of tensors and settings alone (`coef` None: no entropy bonus),
-    so that torch.func.grad and torch.compile can take it whole."""
-    loss, _ = per_token_loss(logp, batch, cfg, None)
+def rows_loss(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers, entropy_mask=None):
+    """(loss, policy loss) of a set of whole rows as a function of tensors and settings alone (`coef` None: no
+    entropy bonus), so that torch.func.grad and torch.compile can take it whole."""
+    loss, _ = per_token_loss(logp, batch, cfg, entropy_mask)
     policy = reduce_rows(loss, batch.mask, cfg, norms)
-    return policy if coef is None else policy - coef * bonus_of_rows(entropy, batch.mask, None, norms)
+    if coef is None:
+        return policy, policy
+    return policy - coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
 
 
 def loss_gradients(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers):
     """(d loss / d logp, d loss / d entropy) at every [B, T] position (zeros where the loss does not reach)."""
-    return torch.func.grad(rows_loss, argnums=(3, 4))(cfg, batch, coef, logp, entropy, norms)
+    gradients, _ = torch.func.grad(rows_loss, argnums=(3, 4), has_aux=True)(cfg, batch, coef, logp, entropy, norms)
+    return gradients
 
 
 # One graph per loss configuration, any batch shape: the ~50 small kernels of the objective and its backward
@@ -138,12 +141,8 @@ class Objective:
     def loss_of_rows(self, logp, entropy, norms: Normalizers, entropy_mask=None):
         """(loss, policy loss) of a set of whole rows (the other rows' values may be anything: their tokens do
         not reach the gradient of these); summing over a partition of the rows gives the batch's loss."""
-        cfg, batch = self.cfg, self.batch
-        loss, _ = per_token_loss(logp, batch, cfg, entropy_mask)
-        policy = reduce_rows(loss, batch.mask, cfg, norms)
-        if not self.step.bonus_on:
-            return policy, policy
-        return policy - self.step.entropy_coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
+        coef = self.step.entropy_coef if self.step.bonus_on else None
+        return rows_loss(self.cfg, self.batch, coef, logp, entropy, norms, entropy_mask)
 
     def token_gradients(self, logp, entropy, norms: Normalizers, compiled: bool = False):
         """d loss / d (logp, entropy) at every [B, T] position, without the entropy mask (the speed schedule's

@@ -26,7 +26,7 @@ from . import distributed, validation
 from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
 from .schedules import memory, sparse
-from .schedules.passes import Engine
+from .schedules.passes import Engine, statistics_pieces
 from .streaming import stat_dtype
 from .tiling import TilePlan, Tiles, from_slots, plan_mask, to_slots
 
@@ -118,8 +118,7 @@ def fused_linear_extra_statistics(
     call = prepare(hidden, weight, targets, bias, options)
     x = to_slots(call.stream.hidden, call.plan, fill=None)
     ids = to_slots(call.stream.completion_ids, call.plan, fill=0)
-    rows = call.engine.tiles.stats_rows
-    pieces = [(s + i, min(rows, n - i)) for s, n in call.plan.tiles for i in range(0, n, rows)]
+    pieces = statistics_pieces(call.engine, call.plan.tiles)
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         head = call.head.detached()
         outs = [call.engine.kernels.extra_statistics(x[s : s + n], ids[s : s + n], head.rows(s, n)) for s, n in pieces]

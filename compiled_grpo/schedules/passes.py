@@ -54,15 +54,19 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles):
     """(logp, entropy, lse) for the slots of `tiles`, `stats_rows` tokens at a time against the whole vocabulary (a tile
     of more rows is split, keeping the [rows, V] float32 logits the only large temporary). With a vocabulary-
     parallel shard, `head` is this rank's slice and the slices' statistics are combined across its group."""
-    rows = engine.tiles.stats_rows
-    pieces = [(s + i, min(rows, n - i)) for s, n in tiles for i in range(0, n, rows)]
     fold = engine.kernels.partial_statistics if engine.shard.parallel else engine.kernels.statistics
-    outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in pieces]
+    outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in statistics_pieces(engine, tiles)]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
         return empty, empty, empty
     outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
     return distributed.combine_vocab_shards(*outs, engine.shard.group) if engine.shard.parallel else outs
+
+
+def statistics_pieces(engine: Engine, tiles) -> list[tuple[int, int]]:
+    """(first slot, size) of the statistics pass's pieces: each tile cut into `stats_rows` slots at most."""
+    rows = engine.tiles.stats_rows
+    return [(s + i, min(rows, n - i)) for s, n in tiles for i in range(0, n, rows)]
 
 
 def accumulator(like: torch.Tensor, shape) -> torch.Tensor:
