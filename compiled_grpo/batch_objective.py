@@ -100,7 +100,7 @@ def metrics(objective: Objective, logp, entropy, entropy_mask, policy_loss) -> d
 
 
 # ---------------------------------------------------------------- the gradient the speed schedule needs per tile
-def rows_loss(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers, entropy_mask=None):
+def rows_loss(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers, *, entropy_mask=None):
     """(loss, policy loss) of a set of whole rows as a function of tensors and settings alone (`coef` None: no
     entropy bonus), so that torch.func.grad and torch.compile can take it whole."""
     loss, _ = per_token_loss(logp, batch, cfg, entropy_mask)
@@ -142,7 +142,7 @@ class Objective:
         """(loss, policy loss) of a set of whole rows (the other rows' values may be anything: their tokens do
         not reach the gradient of these); summing over a partition of the rows gives the batch's loss."""
         coef = self.step.entropy_coef if self.step.bonus_on else None
-        return rows_loss(self.cfg, self.batch, coef, logp, entropy, norms, entropy_mask)
+        return rows_loss(self.cfg, self.batch, coef, logp, entropy, norms, entropy_mask=entropy_mask)
 
     def token_gradients(self, logp, entropy, norms: Normalizers, compiled: bool = False):
         """d loss / d (logp, entropy) at every [B, T] position, without the entropy mask (the speed schedule's
