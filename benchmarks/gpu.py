@@ -2,7 +2,8 @@
 
 Methods: the three lm_head GEMMs over the active tokens alone (the floor); full logits with autograd; TRL
 1.16.0's fused LM head (`ChunkedLogProbFunction`, with TRL's compaction of padded positions) followed by the same
-loss; Liger 0.8.5's `LigerFusedLinearGRPOLoss`; and this library's speed, memory and sparse schedules, eager
+loss; Liger 0.8.5's `LigerFusedLinearGRPOLoss`, and its Hopper CuTe head (per-token NLL and entropy) followed by
+the same loss; and this library's speed, memory and sparse schedules, eager
 and compiled, and what "auto" picks. Median of CUDA-event times after warm-up; peak memory above what was
 allocated before the call (inputs, weights); the rows that went through the gradient pass. A baseline that is
 not installed, or a method that cannot run a shape, is reported as such.
@@ -59,6 +60,7 @@ SHAPES = {
     "H1536": Shape("H1536", 8, 1024, H=1536),  # Qwen2.5-1.5B's head
     "H896-q0.2": Shape("H896-q0.2", 8, 1024, q=0.2, H=896),
     "H1536-q0.2": Shape("H1536-q0.2", 8, 1024, q=0.2, H=1536),
+    "H8192": Shape("H8192", 4, 8192, H=8192, V=128256),  # a 70B-class head (Llama 3 70B), 32k tokens
 }
 
 
@@ -205,6 +207,31 @@ def liger(shape, x):
     return run
 
 
+def liger_cute_head(shape, x):
+    """Liger's Hopper head (`LigerFusedLinearScaledCrossEntropyFunction`: per-token NLL and entropy from its CuTe
+    DSL kernels on sm_90) over the active tokens, followed by the same loss."""
+    try:
+        from liger_kernel.ops import fused_linear_scaled_cross_entropy as scaled
+    except Exception as e:  # noqa: BLE001
+        return f"skipped: liger-kernel not importable ({type(e).__name__}: {e})"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "skipped: Liger's CuTe head runs on sm_90 only"
+    try:
+        scaled._load_sm90_function()
+    except Exception as e:  # noqa: BLE001 - the CUTLASS DSL wheels are a separate install
+        return f"skipped: Liger's CuTe head not importable ({type(e).__name__}: {str(e)[:80]})"
+    mask = x["mask"].bool()
+
+    def head(hidden, weight):
+        nll, entropy = scaled.LigerFusedLinearScaledCrossEntropyFunction.apply(
+            hidden[mask], weight, x["ids"][mask], 1.0, -100, 1, True
+        )
+        scatter = lambda t: t.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, t.float())
+        return scatter(-nll), scatter(entropy)
+
+    return head_then_loss(head, shape, x)
+
+
 def ours(schedule, compiled, packed=False, **tiles):
     """This library; `packed`: the same batch given padding-free (the active tokens' hidden rows, one
     segment per sequence), packed outside the timed call as a packing data loader would."""
@@ -239,6 +266,7 @@ METHODS = {
     "plain loss under torch.compile": plain_compile,
     "TRL 1.16 fused head + loss": trl_fused_head,
     "Liger 0.8.5": liger,
+    "Liger 0.8.5 CuTe head + loss": liger_cute_head,
     "compiled_grpo speed, eager": ours("speed", False),
     "compiled_grpo speed, compiled": ours("speed", True),
     "compiled_grpo memory, eager": ours("memory", False),
@@ -330,7 +358,8 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         "Shapes: S1 B=8 T=1024 (all active); S2 B=16 T=1024, lengths uniform in [1, 1024]; S3 B=4 T=8192; "
         "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight; -half0: "
         "every other group of 4 sequences at advantage 0; H896 and H1536: S1 with hidden size 896 (Qwen2.5-0.5B's "
-        "head) and 1536 (1.5B's). `gradient rows`: the tokens that went through the "
+        "head) and 1536 (1.5B's); H8192: B=4 T=8192 with H=8192 and V=128256 (a 70B-class head). "
+        "`gradient rows`: the tokens that went through the "
         "gradient pass (the baselines: every active token).",
         "",
     ]

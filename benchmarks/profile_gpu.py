@@ -1,6 +1,8 @@
 """Where the time goes: torch.profiler's CUDA kernel table for this library's compiled schedules on a shape
-of benchmarks.gpu (its loss settings included), and
-the GPU's idle gaps between kernels (time the GPU waits on the host), largest first.
+of benchmarks.gpu (its loss settings included), the GPU's idle gaps between kernels (time the GPU waits on the
+host), largest first, and what the host was doing during them: the library's phases (plan, statistics pass,
+objective, gradient passes, metrics...) are wrapped in profiler ranges for the profiled runs only, and each
+gap's time is charged to the innermost phase the host was in.
 
 python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
 """
@@ -8,12 +10,53 @@ python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import math
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.gpu import SHAPES, loss_settings, make_inputs
-from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo import FusedLinearGRPOLoss, batch_objective, quantile, tiling, validation
+from compiled_grpo.schedules import memory, passes, sparse, speed
+
+# (owner, attribute) of the phases charged with idle time
+PHASES = (
+    (speed, "plan"), (memory, "plan"), (speed, "tile_gradients"), (tiling, "positions_and_lengths"),
+    (passes, "gather_slots"), (passes, "statistics_pass"), (passes, "vocab_outer_gradients"),
+    (passes.TokenOuterGradients, "add"), (passes.TokenOuterGradients, "result"), (sparse, "rows_with_gradient"),
+    (sparse, "gradients_of_rows"), (batch_objective.Objective, "loss_and_metrics"), (batch_objective, "metrics"),
+    (batch_objective.Objective, "normalizers"), (quantile, "high_entropy_mask"), (validation, "check_statistics"),
+    (speed.PrecomputedGradients, "backward"), (memory.StatisticsThenRecompute, "backward"),
+    (sparse.StatisticsThenSparseGradients, "backward"),
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def phases_recorded():
+    """Each phase wrapped in a profiler range named after it, for the duration of the block."""
+    saved = []
+    for owner, name in PHASES:
+        original = owner.__dict__[name]
+        function = original.__func__ if isinstance(original, staticmethod) else original
+        wrapped = in_range(function, f"phase:{getattr(owner, '__name__', '')}.{name}")
+        setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+        saved.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def in_range(function, label: str):
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def main(argv=None):
@@ -34,50 +77,77 @@ def main(argv=None):
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with phases_recorded(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            run()
-        torch.cuda.synchronize()
+            with record_function("phase:call"):
+                run()
+            torch.cuda.synchronize()
     print(f"{args.schedule} schedule on {args.shape}, 3 runs")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70)
+    print(table)
     print_gaps(prof, runs=3)
 
 
+def kind(name: str) -> str:
+    if "gemm" in name or "nvjet" in name:
+        return "GEMM"
+    return "Inductor" if name.startswith("triton") else "other"
+
+
 def print_gaps(prof, runs: int, shown: int = 8, min_us: float = 20.0) -> None:
-    """Idle time between consecutive GPU kernels and copies: where the GPU waited for the host."""
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
-    gaps, end, before = [], None, None
-    for e in kernels:
-        if end is not None and e.time_range.start - end > min_us:
-            gaps.append((e.time_range.start - end, before, e.name))
-        if end is None or e.time_range.end > end:
-            end, before = e.time_range.end, e.name
-    busy = sum(e.time_range.elapsed_us() for e in kernels)
-    kinds = {"GEMM": 0.0, "Inductor": 0.0, "other": 0.0}
-    counts = dict.fromkeys(kinds, 0)
-    for e in kernels:
-        kind = (
-            "GEMM"
-            if ("gemm" in e.name or "nvjet" in e.name)
-            else "Inductor"
-            if e.name.startswith("triton")
-            else "other"
-        )
-        kinds[kind] += e.time_range.elapsed_us()
-        counts[kind] += 1
-    print(
-        "per run: "
-        + ", ".join(f"{k} {v / runs / 1e3:.2f} ms in {counts[k] / runs:.0f} kernels" for k, v in kinds.items())
-    )
-    print(
-        f"GPU busy {busy / runs / 1e3:.2f} ms per run; idle gaps over {min_us:.0f} us: "
-        f"{sum(g for g, _, _ in gaps) / runs / 1e3:.2f} ms per run (between runs included)"
-    )
-    for gap, a, b in sorted(gaps, reverse=True)[:shown]:
-        print(f"  {gap / 1e3:7.3f} ms  after {a[:60]}  before {b[:60]}")
+    """Idle time between consecutive GPU kernels and copies, inside the profiled calls (from each call's start
+    on the host to its last kernel): where the GPU waited for the host, charged to the host's phase."""
+    events = prof.events()
+    on_gpu = (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = sorted((e for e in on_gpu if not e.name.startswith("phase:")), key=start_of)  # ranges mirrored
+    ranges = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("phase:")]
+    calls = sorted((e for e in ranges if e.name == "phase:call"), key=start_of)
+    gaps = []
+    for call, following in zip(calls, [*calls[1:], None], strict=True):  # each call ends in a synchronize
+        last = math.inf if following is None else following.time_range.start
+        inside = [k for k in kernels if call.time_range.start <= k.time_range.start < last]
+        end, before = call.time_range.start, "the call's start on the host"
+        for k in inside:
+            if k.time_range.start - end > min_us:
+                gaps.append((end, k.time_range.start, before, k.name))
+            if k.time_range.end > end:
+                end, before = k.time_range.end, k.name
+    busy = sum(k.time_range.elapsed_us() for k in kernels)
+    totals, counts = {"GEMM": 0.0, "Inductor": 0.0, "other": 0.0}, {"GEMM": 0, "Inductor": 0, "other": 0}
+    for k in kernels:
+        totals[kind(k.name)] += k.time_range.elapsed_us()
+        counts[kind(k.name)] += 1
+    per_run = ", ".join(f"{k} {v / runs / 1e3:.2f} ms in {counts[k] / runs:.0f} kernels" for k, v in totals.items())
+    print(f"per run: {per_run}; {sum(counts.values()) / runs:.0f} kernels launched")
+    idle = sum(b - a for a, b, _, _ in gaps)
+    print(f"GPU busy {busy / runs / 1e3:.2f} ms per run; idle gaps over {min_us:.0f} us inside the calls: "
+          f"{idle / runs / 1e3:.2f} ms per run")  # fmt: skip
+    charged: dict[str, float] = {}
+    for a, b, _, _ in gaps:
+        for name, us in phase_overlaps(ranges, a, b).items():
+            charged[name] = charged.get(name, 0.0) + us
+    print("idle time by the host's innermost phase during it (ms per run):")
+    for name, us in sorted(charged.items(), key=lambda item: -item[1]):
+        print(f"  {us / runs / 1e3:7.3f}  {name.removeprefix('phase:')}")
+    for a, b, before, after in sorted(gaps, key=lambda g: g[0] - g[1])[:shown]:
+        print(f"  {(b - a) / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
+
+
+def start_of(event) -> float:
+    return event.time_range.start
+
+
+def phase_overlaps(ranges, a: float, b: float) -> dict[str, float]:
+    """Microseconds of [a, b] spent in each innermost phase range (the latest-starting range covering a moment)."""
+    covering = sorted((r for r in ranges if r.time_range.start < b and r.time_range.end > a), key=start_of)
+    out: dict[str, float] = {}
+    points = sorted({a, b, *(max(a, min(b, t)) for r in covering for t in (r.time_range.start, r.time_range.end))})
+    for lo, hi in zip(points, points[1:], strict=False):
+        mid = (lo + hi) / 2
+        inner = [r for r in covering if r.time_range.start <= mid < r.time_range.end]
+        name = inner[-1].name if inner else "phase:outside the library's phases"
+        out[name] = out.get(name, 0.0) + (hi - lo)
+    return out
 
 
 if __name__ == "__main__":

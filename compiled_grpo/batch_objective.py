@@ -67,9 +67,11 @@ def _sequence_extreme(x, mask, pick, group=None) -> torch.Tensor:
     return torch.where(empty.all(), math.nan, value)
 
 
-def metrics(objective: Objective, logp, entropy, entropy_mask, policy_loss) -> dict:
-    """TRL's logged metrics, each a 0-d tensor."""
-    batch, cfg, group = objective.batch, objective.cfg, objective.group
+def metrics(
+    cfg: GRPOLossConfig, batch: Batch, logp, entropy, entropy_mask, policy_loss, *, policy_scale=None, group=None
+) -> dict:
+    """TRL's logged metrics, each a 0-d tensor; `policy_scale` (None: no entropy bonus, no policy_loss) multiplies
+    the logged policy loss."""
     with torch.no_grad():
         _, seen = per_token_loss(logp.detach(), batch, cfg, entropy_mask)
         m, adv = batch.mask, batch.advantages
@@ -91,12 +93,14 @@ def metrics(objective: Objective, logp, entropy, entropy_mask, policy_loss) -> d
             out["cispo_clip_ratio"] = masked_mean(clipped, m, group)
         elif cfg.loss_type == "vespo":
             out["vespo/phi_seq_mean"] = masked_mean(seen["phi"], m, group)
-        if objective.step.bonus_on:
-            # TRL logs it before the gas division, except for the token-count normalized losses
-            scale = 1.0 if cfg.loss_type in TOKEN_COUNT_NORMALIZED else objective.step.gas
+        if policy_scale is not None:
             ranks = distributed.world_size(group)
-            out["policy_loss"] = distributed.all_sum(policy_loss.detach() * scale, group) / ranks
+            out["policy_loss"] = distributed.all_sum(policy_loss.detach() * policy_scale, group) / ranks
         return out
+
+
+# One graph per loss configuration, any batch shape (in one process: the cross-rank reductions stay eager).
+compiled_metrics = torch.compile(metrics, dynamic=True)
 
 
 # ---------------------------------------------------------------- the gradient the speed schedule needs per tile
@@ -110,15 +114,36 @@ def rows_loss(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Nor
     return policy - coef * bonus_of_rows(entropy, batch.mask, entropy_mask, norms), policy
 
 
-def loss_gradients(cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers):
-    """(d loss / d logp, d loss / d entropy) at every [B, T] position (zeros where the loss does not reach)."""
-    gradients, _ = torch.func.grad(rows_loss, argnums=(3, 4), has_aux=True)(cfg, batch, coef, logp, entropy, norms)
-    return gradients
+def loss_value_and_gradients(
+    cfg: GRPOLossConfig, batch: Batch, coef, logp, entropy, norms: Normalizers, *, entropy_mask=None
+):
+    """((d loss / d logp, d loss / d entropy) at every [B, T] position (zeros where the loss does not reach),
+    (loss, policy loss))."""
+    f = functools.partial(rows_loss, entropy_mask=entropy_mask)
+    return torch.func.grad_and_value(f, argnums=(3, 4), has_aux=True)(cfg, batch, coef, logp, entropy, norms)
 
 
 # One graph per loss configuration, any batch shape: the ~50 small kernels of the objective and its backward
 # become a few, which at small hidden sizes is time the GPU otherwise spends waiting for the host.
-compiled_loss_gradients = torch.compile(loss_gradients, dynamic=True)
+compiled_loss_value_and_gradients = torch.compile(loss_value_and_gradients, dynamic=True)
+
+
+class LossWithGradients(torch.autograd.Function):
+    """The loss's value, with its gradients w.r.t. logp and entropy taken up front (`loss_value_and_gradients`):
+    the backward scales them instead of replaying the objective's eager backward."""
+
+    @staticmethod
+    def forward(ctx, value, logp, entropy, g_logp, g_entropy):
+        ctx.gradients = (g_logp, g_entropy)
+        ctx.set_materialize_grads(False)
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g_logp, g_entropy = ctx.gradients
+        ctx.gradients = None
+        scaled = lambda t: None if t is None or g is None else t * g
+        return None, scaled(g_logp), scaled(g_entropy), None, None
 
 
 # ---------------------------------------------------------------- the objective of one call
@@ -144,20 +169,42 @@ class Objective:
         coef = self.step.entropy_coef if self.step.bonus_on else None
         return rows_loss(self.cfg, self.batch, coef, logp, entropy, norms, entropy_mask=entropy_mask)
 
+    def coefficient(self, like):
+        """The entropy bonus's coefficient as a 0-d tensor (a new float would recompile a graph), None when off."""
+        coef = self.step.entropy_coef if self.step.bonus_on else None
+        if coef is not None and not isinstance(coef, torch.Tensor):
+            coef = like.new_full((), float(coef))
+        return coef
+
     def token_gradients(self, logp, entropy, norms: Normalizers, compiled: bool = False):
         """d loss / d (logp, entropy) at every [B, T] position, without the entropy mask (the speed schedule's
         objectives); `compiled`: one torch.compile graph per loss configuration."""
-        coef = self.step.entropy_coef if self.step.bonus_on else None
-        if coef is not None and not isinstance(coef, torch.Tensor):  # a new float would recompile the graph
-            coef = logp.new_full((), float(coef))
-        gradients = compiled_loss_gradients if compiled else loss_gradients
-        return gradients(self.cfg, self.batch, coef, logp, entropy, norms)
+        f = compiled_loss_value_and_gradients if compiled else loss_value_and_gradients
+        gradients, _ = f(self.cfg, self.batch, self.coefficient(logp), logp, entropy, norms)
+        return gradients
 
-    def loss_and_metrics(self, logp, entropy, entropy_mask=None, norms: Normalizers | None = None):
-        """The batch's loss (differentiable in logp and entropy) and TRL's metrics."""
+    def loss_and_metrics(self, logp, entropy, entropy_mask=None, norms: Normalizers | None = None, compiled=False):
+        """The batch's loss (differentiable in logp and entropy) and TRL's metrics. `compiled`: the loss's value
+        and gradients from one torch.compile graph (`LossWithGradients`), and the metrics from another."""
         norms = self.normalizers(entropy_mask) if norms is None else norms
-        loss, policy = self.loss_of_rows(logp, entropy, norms, entropy_mask)
-        return loss, metrics(self, logp, entropy, entropy_mask, policy)
+        if compiled and torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad):
+            f = compiled_loss_value_and_gradients
+            coef = self.coefficient(logp)
+            (g_logp, g_entropy), (value, policy) = f(
+                self.cfg, self.batch, coef, logp.detach(), entropy.detach(), norms, entropy_mask=entropy_mask
+            )
+            loss = LossWithGradients.apply(value, logp, entropy, g_logp, None if coef is None else g_entropy)
+        else:
+            loss, policy = self.loss_of_rows(logp, entropy, norms, entropy_mask)
+        return loss, self.metrics(logp, entropy, entropy_mask, policy, compiled)
+
+    def metrics(self, logp, entropy, entropy_mask, policy, compiled: bool = False) -> dict:
+        """TRL's metrics; `compiled` (and one process): from one torch.compile graph per loss configuration."""
+        scale = None
+        if self.step.bonus_on:  # TRL logs it before the gas division, except for the token-count normalized losses
+            scale = 1.0 if self.cfg.loss_type in TOKEN_COUNT_NORMALIZED else float(self.step.gas)
+        f = compiled_metrics if compiled and not distributed.active(self.group) else metrics
+        return f(self.cfg, self.batch, logp, entropy, entropy_mask, policy, policy_scale=scale, group=self.group)
 
     def zero_gradient_tokens(self) -> torch.Tensor | None:
         """[B,T] bool, True at active tokens whose gradient is known to be exactly 0 before any statistic is

@@ -8,7 +8,7 @@ import torch._dynamo
 from cases import assert_matches, make_inputs, run_fused, run_reference
 from torch._dynamo.utils import counters
 
-from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo import FusedLinearGRPOLoss, batch_objective
 from compiled_grpo.head import Head
 from compiled_grpo.kernels import Kernels
 
@@ -85,26 +85,33 @@ def test_more_tile_shapes_than_dynamos_default_recompile_limit():
 
 
 @pytest.mark.parametrize(
-    "settings, inputs",
+    "settings, schedule, inputs",
     [
-        ({"loss_type": "dapo"}, {}),
-        ({"loss_type": "grpo", "beta": 0.04, "entropy_coef": 0.01}, {"ref": True, "bias": True}),
-        ({"loss_type": "vespo"}, {"is_shape": "BT"}),
+        ({"loss_type": "dapo"}, "speed", {}),
+        ({"loss_type": "grpo", "beta": 0.04, "entropy_coef": 0.01}, "speed", {"ref": True, "bias": True}),
+        ({"loss_type": "vespo"}, "speed", {"is_shape": "BT"}),
         (
             {"loss_type": "luspo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.1},
+            "speed",
             {"sampling": True},
         ),
-        ({"loss_type": "sapo", "delta": 1.5}, {"zero_advantage_rows": 1}),
+        ({"loss_type": "sapo", "delta": 1.5}, "speed", {"zero_advantage_rows": 1}),
+        ({"loss_type": "dapo", "top_entropy_quantile": 0.3, "entropy_coef": 0.01}, "memory", {"bias": True}),
+        ({"loss_type": "grpo", "beta": 0.04, "top_entropy_quantile": 0.5}, "sparse", {"ref": True}),
+        ({"loss_type": "cispo"}, "memory", {"zero_advantage_rows": 1}),
     ],
 )
-def test_compiled_objective_of_the_speed_schedule(settings, inputs, monkeypatch):
-    """The speed schedule's per-tile objective gradient under torch.compile (what a GPU runs): the reference's
-    loss and gradients, and new batch shapes and per-call entropy coefficients reuse its graph."""
-    from compiled_grpo.schedules import speed
+def test_compiled_objective(settings, schedule, inputs, monkeypatch):
+    """The objective under torch.compile (what a GPU runs): the speed schedule's per-tile gradient, the memory and
+    sparse schedules' loss with its gradients taken up front, the metrics. The reference's loss, metrics and
+    gradients; new batch shapes and per-call entropy coefficients reuse the graphs."""
+    from compiled_grpo.schedules import passes
 
-    monkeypatch.setattr(speed, "COMPILE_OBJECTIVE_ON_CPU", True)
-    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="speed", **TILES, **settings)
-    frames = counters["stats"]["calls_captured"]
+    monkeypatch.setattr(passes, "COMPILE_OBJECTIVE_ON_CPU", True)
+    calls = {"objective": 0, "metrics": 0}
+    for name, key in (("compiled_loss_value_and_gradients", "objective"), ("compiled_metrics", "metrics")):
+        monkeypatch.setattr(batch_objective, name, counted(getattr(batch_objective, name), calls, key))
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=schedule, **TILES, **settings)
     for i, (B, T) in enumerate(((3, 37), (4, 29), (5, 41))):
         x = make_inputs(seed=10 + i, B=B, T=T, dtype=torch.float32, **inputs)
         ref, ref_grads = run_reference(x, settings)
@@ -114,5 +121,13 @@ def test_compiled_objective_of_the_speed_schedule(settings, inputs, monkeypatch)
         assert_matches(out, out_grads, ref, ref_grads, rtol=2e-5)
         if i == 0:
             graphs = graphs_compiled()
-            assert counters["stats"]["calls_captured"] > frames  # the objective was traced, not run eagerly
+    assert calls["objective"] >= 3 and calls["metrics"] == 3, calls  # the compiled graphs ran, not eager code
     assert graphs_compiled() == graphs, "a new batch shape recompiled the objective"
+
+
+def counted(function, calls: dict, key: str):
+    def call(*args, **kwargs):
+        calls[key] += 1
+        return function(*args, **kwargs)
+
+    return call

@@ -1,7 +1,9 @@
 """The memory schedule: statistics in the forward, gradients recomputed in the backward, vocabulary-outer.
 
 forward:  the statistics pass (logp, entropy, lse per token; [stats_rows, V] float32 logits at a time).
-objective: on [B,T] with plain autograd (any objective works, including the entropy threshold).
+objective: on [B,T] (any objective works, including the entropy threshold); with compiled tiles on a GPU its value,
+          its gradients w.r.t. logp and entropy and the metrics come from torch.compile graphs
+          (`Objective.loss_and_metrics`), otherwise from plain autograd.
 backward: each vocabulary slice against every token tile (`passes.vocab_outer_gradients`): no float32 [V, H]
           accumulator. 8NHV FLOPs (the forward's 2NHV are recomputed). The only schedule that combines the
           statistics of a vocabulary-parallel lm_head.
@@ -98,5 +100,6 @@ def statistics_then_objective(function, engine: Engine, objective: Objective, he
         q = objective.cfg.top_entropy_quantile
         entropy_mask = quantile.high_entropy_mask(entropy, mask, q, objective.group, active=plan.active)
     em = None if entropy_mask is None else entropy_mask.to(mask.dtype)
-    loss, metrics = objective.loss_and_metrics(logp, entropy, em)
+    compiled = passes.compiles_objective(engine, inputs.hidden)
+    loss, metrics = objective.loss_and_metrics(logp, entropy, em, compiled=compiled)
     return loss, metrics, logp.detach(), entropy.detach(), entropy_mask

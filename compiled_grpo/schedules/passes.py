@@ -42,6 +42,16 @@ class Slots:
     targets: torch.Tensor  # [slots]
 
 
+def compiles_objective(engine: Engine, hidden) -> bool:
+    """The objective (loss, its gradients, the metrics) under torch.compile: with compiled tiles on a GPU, where
+    its eager launches leave the GPU idle (on a CPU there is nothing to hide, and each loss configuration would
+    cost a compile)."""
+    return engine.kernels.compiled and (hidden.is_cuda or COMPILE_OBJECTIVE_ON_CPU)
+
+
+COMPILE_OBJECTIVE_ON_CPU = False  # tests set it to check the compiled objective where no GPU is
+
+
 def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0, rows=None) -> Slots:
     """`rows`: for packed hidden states [rows, H], the row of each [B * T] position (`LossInputs.hidden_rows`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])

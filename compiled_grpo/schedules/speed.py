@@ -133,10 +133,10 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
             )
             flat.write(dest[s : s + n], logp, entropy)
         logp, entropy = flat.view(ids.shape)
-        loss, metrics = objective.loss_and_metrics(logp, entropy)
+        loss, metrics = objective.loss_and_metrics(logp, entropy, compiled=passes.compiles_objective(engine, hidden))
         return loss, metrics, logp, entropy, None
     grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
-    compile_objective = compiles_objective(engine, hidden)
+    compile_objective = passes.compiles_objective(engine, hidden)
     norms = None
     for s, n in tiles:
         logp, entropy, lse, product = engine.kernels.statistics_and_product(
@@ -150,7 +150,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
     logp, entropy = flat.view(ids.shape)
-    loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms)
+    loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms, compiled=compile_objective)
     d_hidden = None
     if hidden.requires_grad and plan.gradient.identity and not inputs.packed:
         d_hidden = dx.view(hidden.shape)
@@ -160,15 +160,6 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     d_bias = db.to(head.bias.dtype) if wanted.bias else None
     loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, (d_hidden, d_weight, d_bias))
     return loss, metrics, logp, entropy, None
-
-
-def compiles_objective(engine: Engine, hidden) -> bool:
-    """The objective's per-tile gradient under torch.compile: compiled tiles on a GPU, where its eager launches
-    leave the GPU idle (on a CPU there is nothing to hide, and each loss configuration would cost a compile)."""
-    return engine.kernels.compiled and (hidden.is_cuda or COMPILE_OBJECTIVE_ON_CPU)
-
-
-COMPILE_OBJECTIVE_ON_CPU = False  # tests set it to check the compiled objective where no GPU is
 
 
 def differentiable(hidden, head: Head) -> bool:
