@@ -83,10 +83,17 @@ def loss_settings(trainer: GRPOTrainer) -> dict:
 
 
 def completion_hidden_states(model, lm_head, model_inputs: dict, completion_length: int):
-    """The final hidden states that predict the completion tokens [B, C, H], and the model's output.
+    """The final hidden states that predict the completion tokens [B, C, H], and the model's output (the model
+    keeps the last C + 1 positions, `logits_to_keep`)."""
+    kept = {**model_inputs, "logits_to_keep": completion_length + 1}
+    hidden, outputs = hidden_states_at_head(model, lm_head, kept)
+    return hidden[:, :-1], outputs
 
-    A forward pre-hook on the output embedding takes its input (the last C + 1 positions, with
-    `logits_to_keep`) and hands the head only the last position, so no [B, C, V] logits are made."""
+
+def hidden_states_at_head(model, lm_head, model_inputs: dict):
+    """The input of the output embedding (the final hidden states of the positions the model keeps) and the
+    model's output. A forward pre-hook takes that input and hands the head only the last position, so no
+    [positions, V] logits are made."""
     captured = {}
 
     def take_input(module, args):
@@ -95,10 +102,10 @@ def completion_hidden_states(model, lm_head, model_inputs: dict, completion_leng
 
     handle = lm_head.register_forward_pre_hook(take_input)
     try:
-        outputs = model(**model_inputs, logits_to_keep=completion_length + 1, use_cache=False)
+        outputs = model(**model_inputs, use_cache=False)
     finally:
         handle.remove()
-    return captured["hidden"][:, :-1], outputs
+    return captured["hidden"], outputs
 
 
 class CompiledGRPOTrainer(GRPOTrainer):
