@@ -142,8 +142,10 @@ class CompiledGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
-        for name, value in out.metrics.items():
-            self._metrics[mode][name].append(float(value))
+        if out.metrics:  # read back in one wait on the device, not one per metric
+            values = torch.stack([v.detach().float().reshape(()) for v in out.metrics.values()]).tolist()
+            for name, value in zip(out.metrics, values, strict=True):
+                self._metrics[mode][name].append(value)
         if self._entropy_bonus_enabled:
             self._update_entropy_controller(out, mask, mode)
         return loss
