@@ -1,7 +1,7 @@
 """GPU reproducibility (runs where CUDA is available; docs/determinism.md states what holds):
 - the same inputs twice give bitwise-equal loss, metrics, log-probs, entropies and gradients, every schedule;
-- `torch.use_deterministic_algorithms(True)` runs, is itself reproducible, and gives the default's bits (memory,
-  sparse) or differs from them in the last bit of logp and dW (speed);
+- `torch.use_deterministic_algorithms(True)` runs, is itself reproducible, and agrees with the default within
+  rounding (its recompiled graphs may round the last bit differently);
 - a soak of calls of varied shapes keeps allocated memory flat and the number of compiled graphs bounded."""
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def test_repeated_calls_are_bitwise_equal(schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_deterministic_mode_runs_and_matches_the_default(schedule, monkeypatch):
     """Deterministic mode recompiles the tiles under Inductor's deterministic settings and is itself bitwise
-    reproducible. The memory and sparse schedules give the default's bits; the speed schedule (and "auto",
-    which picks it here) may differ from the default in the last bit of logp, and its gradients by the bf16
+    reproducible. Its recompiled graphs (the tiles, the compiled objective, tuned for the shapes they were first
+    compiled for) may differ from the default's in the last bit of a value, and the gradients by the bf16
     rounding of a logits gradient whose last float32 bit changed."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=schedule, **SCHEDULES[schedule])
@@ -68,8 +68,6 @@ def test_deterministic_mode_runs_and_matches_the_default(schedule, monkeypatch):
         assert_bitwise(outputs(loss_fn, x), deterministic)
     finally:
         torch.use_deterministic_algorithms(False)
-    if schedule in ("memory", "sparse"):
-        assert_bitwise(deterministic, default)
     for name, value in default.items():
         if name.startswith("d "):  # a last-bit change of the logits gradient can flip its bf16 rounding
             scale = float(value.abs().max())
