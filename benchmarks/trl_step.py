@@ -1,17 +1,26 @@
-"""The step users feel: TRL 1.16's GRPOTrainer against CompiledGRPOTrainer on one micro-batch, the model's
-forward included: `_compute_loss` + backward, time and peak memory, both in one process.
+"""The step users feel: TRL 1.16's GRPOTrainer against CompiledGRPOTrainer on one micro-batch, the model's forward
+included (`_compute_loss` + backward), time and peak memory, every trainer of a model in one process; and the
+bound any head and loss can reach: the same backbone's forward and backward with a trivial loss on its final
+hidden states and no lm_head.
 
-Model: Qwen2.5-1.5B's shape (H 1536, 28 layers, V 151936, tied embeddings) with random weights in bf16 (nothing
-downloaded); micro-batch: 8 completions of 1024 tokens after 64-token prompts, random advantages, dapo.
+Models: Qwen2.5-0.5B, 1.5B and 7B shapes (V 151936) with random bf16 weights (nothing downloaded). Micro-batches
+of 8 or 16 completions of 1024 tokens after 64-token prompts, dapo, in four kinds: `dense` (random advantages),
+`q0.2` (top_entropy_quantile 0.2), `half0` (every other group of 4 completions at advantage 0, as groups whose
+rewards are all equal) and `both`.
 
-    python -m benchmarks.trl_step [--repeats 5] [--out docs/benchmarks/trl-step.md] [--tiny]
+    python -m benchmarks.trl_step --model 0.5B [--batches dense,q0.2,half0,both] [--sizes 8,16]
+        [--trainers grpo,auto,memory] [--repeats 5] [--out benchmark-results]
+    python -m benchmarks.trl_step --report benchmark-results/trl-step-*.json [--out docs/benchmarks/trl-step]
 
-`--tiny` runs a small model on the CPU (a smoke test of this script).
+The first writes `trl-step-<model>.json` (row by row, so an interrupted run keeps what it measured); `--report`
+joins such files into `trl-step.md` and `trl-step.png` (the bound drawn as the floor line). `--model tiny` runs a
+small model on the CPU (a smoke test of this script).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -23,12 +32,27 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
+from benchmarks import plots
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer
 
-QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+QWEN = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+}  # fmt: skip
+BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True)}
+TRAINERS = {
+    "grpo": (GRPOTrainer, None),
+    "auto": (CompiledGRPOTrainer, "auto"),
+    "memory": (CompiledGRPOTrainer, "memory"),
+}
+LABELS = {"grpo": "GRPOTrainer", "auto": "CompiledGRPOTrainer auto", "memory": "CompiledGRPOTrainer memory"}
+BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
 
 def tokenizer():
@@ -38,41 +62,42 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def trainer(cls, model, out: Path, on_gpu: bool, completion: int, schedule: str = "auto"):
+def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int):
+    cls, schedule = TRAINERS[name]
     args = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=8, num_generations=8, report_to=[], save_strategy="no",
-        max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
+        output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=8, report_to=[],
+        save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
+        top_entropy_quantile=q,
     )  # fmt: skip
-    data = Dataset.from_dict({"prompt": ["a"] * 8})
-    extra = {"compiled": on_gpu, "schedule": schedule} if cls is CompiledGRPOTrainer else {}
+    data = Dataset.from_dict({"prompt": ["a"] * size})
+    extra = {"compiled": True, "schedule": schedule} if schedule else {}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
             train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
     t.current_gradient_accumulation_steps = 1  # set by train(); this step runs outside it
     return t
 
 
-def micro_batch(vocab: int, device, B=8, P=64, C=1024, seed=0):
+def micro_batch(vocab: int, device, B: int, zero_half: bool, P=64, C=1024, seed=0) -> dict:
     g = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(B, generator=g)
+    if zero_half:
+        advantages = torch.where((torch.arange(B) // 4) % 2 == 0, 0.0, advantages)
     inputs = {
         "prompt_ids": torch.randint(3, vocab, (B, P), generator=g),
         "prompt_mask": torch.ones(B, P, dtype=torch.long),
         "completion_ids": torch.randint(3, vocab, (B, C), generator=g),
         "completion_mask": torch.ones(B, C, dtype=torch.long),
-        "advantages": torch.randn(B, generator=g),
+        "advantages": advantages,
     }
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def measure(t, inputs, repeats: int, on_gpu: bool):
-    def step():
-        t.model.zero_grad(set_to_none=True)
-        with t.accelerator.autocast():
-            loss = t._compute_loss(t.model, inputs)
-        loss.backward()
-
+def timed(step, repeats: int, on_gpu: bool, reset) -> tuple[float, float]:
+    """(median ms, peak GiB above the memory in use before) of `step()` after two warm-ups."""
     for _ in range(2):
         step()
+        reset()
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -84,55 +109,140 @@ def measure(t, inputs, repeats: int, on_gpu: bool):
         if on_gpu:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if on_gpu else float("nan")
-    t.model.zero_grad(set_to_none=True)
+        reset()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if on_gpu else None
     return statistics.median(times), peak
+
+
+def trainer_step(t, inputs):
+    def step():
+        with t.accelerator.autocast():
+            loss = t._compute_loss(t.model, inputs)
+        loss.backward()
+
+    return step
+
+
+def step_of_trainer(name, model, size, q, on_gpu, completion, inputs):
+    return trainer_step(make_trainer(name, model, size, q, on_gpu, completion), inputs)
+
+
+def bound_step(model, inputs):
+    """The backbone's forward and backward with a trivial loss on the completion positions' final hidden states."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    completion = inputs["completion_ids"].shape[1]
+    on_gpu = ids.is_cuda
+
+    def step():
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=on_gpu):
+            hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            hidden[:, -completion - 1 : -1].float().square().mean().backward()
+
+    return step
+
+
+def sweep(args) -> None:
+    on_gpu = torch.cuda.is_available() and args.model != "tiny"
+    device = "cuda" if on_gpu else "cpu"
+    completion = 16 if args.model == "tiny" else 1024
+    vocab = 1000 if args.model == "tiny" else 151936
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN[args.model], vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    model = Qwen2ForCausalLM(config).to(device, torch.bfloat16 if on_gpu else torch.float32)
+    reset = lambda: model.zero_grad(set_to_none=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"trl-step-{args.model}.json"
+    versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
+                "repeats": args.repeats}  # fmt: skip
+    rows = []
+    for size in map(int, args.sizes.split(",")):
+        for kind in args.batches.split(","):
+            q, zero_half = BATCHES[kind]
+            inputs = micro_batch(vocab, device, size, zero_half, C=completion)
+            shape = f"{args.model} {kind} x{size}"
+            runs = [(BOUND, functools.partial(bound_step, model, inputs))]
+            runs += [(n, functools.partial(step_of_trainer, n, model, size, q, on_gpu, completion, inputs))
+                     for n in args.trainers.split(",")]  # fmt: skip
+            for method, make in runs:
+                row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
+                try:
+                    row["ms"], row["peak_gib"] = timed(make(), args.repeats, on_gpu, reset)
+                except torch.OutOfMemoryError:
+                    row["status"] = "out of memory"
+                reset()
+                if on_gpu:
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+
+
+def report(args) -> None:
+    rows, versions, repeats = [], {}, {}
+    for name in args.report:
+        data = json.loads(Path(name).read_text())
+        rows += data["rows"]
+        versions = data["versions"]
+        repeats.update(dict.fromkeys((r["model"] for r in data["rows"]), versions.get("repeats", "?")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# The TRL step: GRPOTrainer against CompiledGRPOTrainer",
+        "",
+        f"{versions.get('gpu')}; torch {versions.get('torch')}. Random bf16 weights of each model's shape; completions "
+        "of 1024 tokens after 64-token prompts, dapo; `_compute_loss` (the model's forward included) + backward, "
+        f"median of {', '.join(f'{n} ({m})' for m, n in repeats.items())} steps after 2 warm-ups; peak memory "
+        "above the model and inputs. The bound: the backbone's forward "
+        "and backward with a trivial loss on its final hidden states (no lm_head). `gain reached`: the share of "
+        "the possible gain over GRPOTrainer (its time minus the bound's) that the row achieves.",
+        "",
+        "| model, batch, sequences | bound | GRPOTrainer | CompiledGRPOTrainer auto | memory |",
+        "|---|---|---|---|---|",
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        cells = [cell(mine, name) for name in (BOUND, "grpo", "auto", "memory")]
+        lines.append(f"| {shape} | {' | '.join(cells)} |")
+    lines += ["", "![step time and peak memory](trl-step.png)", ""]
+    (out / "trl-step.md").write_text("\n".join(lines))
+    named = [{**r, "method": LABELS.get(r["method"], r["method"])} for r in rows]
+    title = f"TRL step, {versions.get('gpu')}: _compute_loss + backward (dashed line: the backbone alone)"
+    plots.draw(named, out / "trl-step.png", title)
+    print("\n".join(lines))
+
+
+def cell(mine: dict, name: str) -> str:
+    """One table cell: time and peak memory, and for this library's trainers the speed-up over GRPOTrainer and
+    the share of the possible gain (GRPOTrainer's time minus the bound's) it reaches."""
+    r, grpo, bound = mine.get(name), mine.get("grpo", {}), mine.get(BOUND, {})
+    if r is None or "ms" not in r:
+        return "-" if r is None else r.get("status", "-")
+    memory = "" if r.get("peak_gib") is None else f", {r['peak_gib']:.2f} GiB"
+    text = f"{r['ms']:.1f} ms{memory}"
+    if name in ("auto", "memory") and "ms" in grpo and "ms" in bound:
+        gain = (grpo["ms"] - r["ms"]) / max(grpo["ms"] - bound["ms"], 1e-9)
+        text += f" ({grpo['ms'] / r['ms']:.2f}x; gain reached {gain:+.0%})"
+    return text
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(QWEN), default="0.5B")
+    ap.add_argument("--batches", default=",".join(BATCHES))
+    ap.add_argument("--sizes", default="8,16")
+    ap.add_argument("--trainers", default=",".join(TRAINERS))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="docs/benchmarks/trl-step.md")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--schedules", default="auto", help="CompiledGRPOTrainer's schedules to run, comma-separated")
+    ap.add_argument("--out", default="benchmark-results")
+    ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
     args = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.tiny
-    device = "cuda" if on_gpu else "cpu"
-    shape = TINY if args.tiny else QWEN_1_5B
-    completion = 16 if args.tiny else 1024
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=1))
-    model = model.to(device, torch.bfloat16 if on_gpu else torch.float32)
-    inputs = micro_batch(shape["vocab_size"], device, C=completion)
-    rows = []
-    runs = [(GRPOTrainer, "")] + [(CompiledGRPOTrainer, s) for s in args.schedules.split(",")]
-    for cls, schedule in runs:
-        t = trainer(cls, model, Path("/tmp") / cls.__name__, on_gpu, completion, schedule or "auto")
-        ms, peak = measure(t, inputs, args.repeats, on_gpu)
-        name = cls.__name__ + (f' (schedule="{schedule}")' if schedule else "")
-        rows.append({"trainer": name, "ms": ms, "peak_gib": peak})
-        print(json.dumps(rows[-1]), flush=True)
-    name = torch.cuda.get_device_name() if on_gpu else "CPU"
-    import transformers
-    import trl
-
-    lines = [
-        "# TRL step: GRPOTrainer against CompiledGRPOTrainer",
-        "",
-        f"{name}; torch {torch.__version__}, TRL {trl.__version__}, transformers {transformers.__version__}. "
-        f"{'Qwen2.5-1.5B shape, random bf16 weights' if not args.tiny else 'tiny model'}; one micro-batch of 8 x "
-        f"{completion} completion tokens after 64-token prompts, dapo; `_compute_loss` (the model's forward "
-        f"included) + backward, median of {args.repeats} after 2 warm-ups; peak memory above the model and inputs.",
-        "",
-        "| trainer | step (ms) | peak memory (GiB) |",
-        "|---|---|---|",
-        *[f"| {r['trainer']} | {r['ms']:.1f} | {r['peak_gib']:.2f} |" for r in rows],
-        "",
-        *[f"{r['trainer']}: {rows[0]['ms'] / r['ms']:.2f}x GRPOTrainer's speed." for r in rows[1:]],
+    unknown = [b for b in args.batches.split(",") if b not in BATCHES] + [
+        t for t in args.trainers.split(",") if t not in TRAINERS
     ]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if unknown:
+        ap.error(f"unknown batch kind or trainer {unknown}; batches: {list(BATCHES)}, trainers: {list(TRAINERS)}")
+    report(args) if args.report else sweep(args)
 
 
 if __name__ == "__main__":
