@@ -173,3 +173,29 @@ def test_one_training_step_matches_trls(tmp_path, monkeypatch):
     for name, value in after[1].items():
         torch.testing.assert_close(value, after[0][name], rtol=1e-5, atol=1e-6, msg=name)
     assert sum(not torch.equal(after[1][n], before[n]) for n in before) > len(before) // 2  # the step moved them
+
+
+def test_trls_own_async_loss_on_the_compiled_head(monkeypatch):
+    """TRL's own `compute_loss` inside `compiled_fused_head()`: its fused head (which the async trainer calls with
+    `fused_lm_head=True`) runs on `fused_linear_logprobs`, with TRL's loss on top: the same loss and gradients."""
+    from compiled_grpo.integrations import trl as integration
+    from compiled_grpo.integrations.trl import compiled_fused_head
+
+    calls = []
+    primitive = integration.fused_linear_logprobs
+    monkeypatch.setattr(integration, "fused_linear_logprobs", lambda *a, **k: calls.append(1) or primitive(*a, **k))
+
+    model = tiny_model()
+    add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    inputs = packed_batch(seed=5)
+    trl_loss, trl_grads = loss_and_gradients(
+        lambda m, x: AsyncGRPOTrainer.compute_loss(stand_in(m), m, x), model, copy.deepcopy(inputs)
+    )
+    with compiled_fused_head(compiled=False):
+        loss, grads = loss_and_gradients(
+            lambda m, x: AsyncGRPOTrainer.compute_loss(stand_in(m), m, x), model, copy.deepcopy(inputs)
+        )
+    assert calls, "TRL's head did not run on this library"
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-4, atol=1e-6, msg=name)
