@@ -108,6 +108,14 @@ def hidden_states_at_head(model, lm_head, model_inputs: dict):
     return captured["hidden"], outputs
 
 
+def read_back(metrics: dict) -> dict[str, float]:
+    """The values of 0-d tensors, read from the device in one wait (not one per metric)."""
+    if not metrics:
+        return {}
+    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
+
+
 class CompiledGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come
     from `fused_linear_logprobs` (`compiled_fused_head`). `compiled` and `schedule` are passed to
@@ -142,10 +150,8 @@ class CompiledGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
-        if out.metrics:  # read back in one wait on the device, not one per metric
-            values = torch.stack([v.detach().float().reshape(()) for v in out.metrics.values()]).tolist()
-            for name, value in zip(out.metrics, values, strict=True):
-                self._metrics[mode][name].append(value)
+        for name, value in read_back(out.metrics).items():
+            self._metrics[mode][name].append(value)
         if self._entropy_bonus_enabled:
             self._update_entropy_controller(out, mask, mode)
         return loss

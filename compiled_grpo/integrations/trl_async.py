@@ -24,7 +24,7 @@ import torch
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import FusedLinearGRPOLoss
-from .trl import head_scaling, hidden_states_at_head
+from .trl import head_scaling, hidden_states_at_head, read_back
 
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
 
@@ -134,8 +134,7 @@ def log_metrics(trainer, out, terms: LossTerms, aux_loss) -> None:
             values[name] = out.metrics[name]
         if aux_loss is not None:
             values["aux_loss"] = acc.reduce(aux_loss.detach().float(), reduction="sum") / world
-        read = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
-    for name, value in zip(values, read, strict=True):
+    for name, value in read_back(values).items():
         trainer._metrics["train"][name].append(value)
 
 

@@ -126,6 +126,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     slots = passes.gather_slots(hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
     x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
     dest = flat.destinations(plan.gradient)
+    compile_objective = passes.compiles_objective(engine, hidden)
     if not differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
         for s, n in tiles:  # the grad-mode tiles and kernel, so logp and entropy are bitwise the same
             logp, entropy, _, _ = engine.kernels.statistics_and_product(
@@ -133,10 +134,9 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
             )
             flat.write(dest[s : s + n], logp, entropy)
         logp, entropy = flat.view(ids.shape)
-        loss, metrics = objective.loss_and_metrics(logp, entropy, compiled=passes.compiles_objective(engine, hidden))
+        loss, metrics = objective.loss_and_metrics(logp, entropy, compiled=compile_objective)
         return loss, metrics, logp, entropy, None
     grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
-    compile_objective = passes.compiles_objective(engine, hidden)
     norms = None
     for s, n in tiles:
         logp, entropy, lse, product = engine.kernels.statistics_and_product(
