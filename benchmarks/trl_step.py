@@ -20,7 +20,6 @@ small model on the CPU (a smoke test of this script).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -33,7 +32,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, loss_settings
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -46,10 +46,12 @@ QWEN = {
                  num_key_value_heads=2, tie_word_embeddings=True),
 }  # fmt: skip
 BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True)}
-TRAINERS = {
+TRAINERS = {  # name: (trainer, FusedLinearGRPOLoss options)
     "grpo": (GRPOTrainer, None),
-    "auto": (CompiledGRPOTrainer, "auto"),
-    "memory": (CompiledGRPOTrainer, "memory"),
+    "auto": (CompiledGRPOTrainer, {"schedule": "auto"}),
+    "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
+    "auto1024": (CompiledGRPOTrainer, {"schedule": "auto", "speed_tile": 1024, "speed_group": 1024}),
+    "auto512": (CompiledGRPOTrainer, {"schedule": "auto", "speed_tile": 512, "speed_group": 512}),
 }
 LABELS = {"grpo": "GRPOTrainer", "auto": "CompiledGRPOTrainer auto", "memory": "CompiledGRPOTrainer memory"}
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
@@ -63,16 +65,17 @@ def tokenizer():
 
 
 def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int):
-    cls, schedule = TRAINERS[name]
+    cls, options = TRAINERS[name]
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=8, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
         top_entropy_quantile=q,
     )  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a"] * size})
-    extra = {"compiled": True, "schedule": schedule} if schedule else {}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
-            train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
+            train_dataset=data, processing_class=tokenizer())  # fmt: skip
+    if options is not None:  # the trainer's loss settings, with this row's schedule and tiles
+        t.fused_loss = FusedLinearGRPOLoss(compiled=True, **options, **loss_settings(t))
     t.current_gradient_accumulation_steps = 1  # set by train(); this step runs outside it
     return t
 
@@ -93,25 +96,54 @@ def micro_batch(vocab: int, device, B: int, zero_half: bool, P=64, C=1024, seed=
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def timed(step, repeats: int, on_gpu: bool, reset) -> tuple[float, float]:
-    """(median ms, peak GiB above the memory in use before) of `step()` after two warm-ups."""
-    for _ in range(2):
-        step()
-        reset()
+def timed(steps: dict, rounds: int, on_gpu: bool, reset) -> dict:
+    """{name: (median ms, peak GiB above the memory in use before), or why not} of each `steps[name]()`, after two
+    warm-ups.
+    The steps take turns, one each per round in a rotating order, so that drift of the host's speed (the small
+    models' steps are bound by it) reaches every method alike."""
+    names, failed = [], {}
+    for name, step in steps.items():
+        try:
+            for _ in range(2):
+                step()
+                reset()
+            names.append(name)
+        except torch.OutOfMemoryError:
+            failed[name] = "out of memory"
+            reset()
+            if on_gpu:
+                torch.cuda.empty_cache()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync(on_gpu)
+            start = time.perf_counter()
+            steps[name]()
+            sync(on_gpu)
+            times[name].append((time.perf_counter() - start) * 1e3)
+            reset()
+    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset)) for name in names}
+    return {**measured, **failed}
+
+
+def sync(on_gpu: bool) -> None:
     if on_gpu:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        if on_gpu:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-        reset()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if on_gpu else None
-    return statistics.median(times), peak
+
+
+def peak_of(step, on_gpu: bool, reset) -> float | None:
+    """Peak GiB of one step above the memory in use before it."""
+    if not on_gpu:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    reset()
+    return peak
 
 
 def trainer_step(t, inputs):
@@ -121,10 +153,6 @@ def trainer_step(t, inputs):
         loss.backward()
 
     return step
-
-
-def step_of_trainer(name, model, size, q, on_gpu, completion, inputs):
-    return trainer_step(make_trainer(name, model, size, q, on_gpu, completion), inputs)
 
 
 def bound_step(model, inputs):
@@ -142,14 +170,21 @@ def bound_step(model, inputs):
     return step
 
 
+def make_model(name: str, device) -> tuple:
+    """(model with random weights, bf16 on a GPU, its vocabulary size, the completion length)."""
+    completion = 16 if name == "tiny" else 1024
+    vocab = 1000 if name == "tiny" else 151936
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN[name], vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with torch.device(device):  # initialized where it runs: a 7B model's random init on the CPU takes minutes
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    return model, vocab, completion
+
+
 def sweep(args) -> None:
     on_gpu = torch.cuda.is_available() and args.model != "tiny"
     device = "cuda" if on_gpu else "cpu"
-    completion = 16 if args.model == "tiny" else 1024
-    vocab = 1000 if args.model == "tiny" else 151936
-    torch.manual_seed(0)
-    config = Qwen2Config(**QWEN[args.model], vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    model = Qwen2ForCausalLM(config).to(device, torch.bfloat16 if on_gpu else torch.float32)
+    model, vocab, completion = make_model(args.model, device)
     reset = lambda: model.zero_grad(set_to_none=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,21 +197,21 @@ def sweep(args) -> None:
             q, zero_half = BATCHES[kind]
             inputs = micro_batch(vocab, device, size, zero_half, C=completion)
             shape = f"{args.model} {kind} x{size}"
-            runs = [(BOUND, functools.partial(bound_step, model, inputs))]
-            runs += [(n, functools.partial(step_of_trainer, n, model, size, q, on_gpu, completion, inputs))
-                     for n in args.trainers.split(",")]  # fmt: skip
-            for method, make in runs:
+            steps = {BOUND: bound_step(model, inputs)}
+            for name in args.trainers.split(","):
+                steps[name] = trainer_step(make_trainer(name, model, size, q, on_gpu, completion), inputs)
+            for method, measured in timed(steps, args.repeats, on_gpu, reset).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
-                try:
-                    row["ms"], row["peak_gib"] = timed(make(), args.repeats, on_gpu, reset)
-                except torch.OutOfMemoryError:
-                    row["status"] = "out of memory"
-                reset()
-                if on_gpu:
-                    torch.cuda.empty_cache()
+                if isinstance(measured, str):
+                    row["status"] = measured
+                else:
+                    row["ms"], row["peak_gib"] = measured
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+            path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+            del steps
+            if on_gpu:
+                torch.cuda.empty_cache()
 
 
 def report(args) -> None:
@@ -233,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--batches", default=",".join(BATCHES))
     ap.add_argument("--sizes", default="8,16")
     ap.add_argument("--trainers", default=",".join(TRAINERS))
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9, help="rounds; each runs every method once")
     ap.add_argument("--out", default="benchmark-results")
     ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
     args = ap.parse_args(argv)
