@@ -266,6 +266,27 @@ def test_auto_schedule_choice(settings, options, expected, monkeypatch):
     assert_matches(out, grads, ref, ref_grads, rtol=1e-10)
 
 
+@pytest.mark.parametrize("budget, zero_rows, expected", [("lean", 0, "speed"), (1 << 10, 2, "sparse")])
+def test_auto_under_a_tight_budget(budget, zero_rows, expected, monkeypatch):
+    """Where the speed schedule's usual workspace does not fit, "auto" takes it with one dW GEMM per tile if that
+    fits; else sparse when some rows are at advantage 0 (their gradient is known to be 0), memory otherwise."""
+    x = make_inputs(seed=8, dtype=torch.float64, zero_advantage_rows=zero_rows)
+    V, H = x["weight"].shape
+    tile = TILES["speed_tile"]
+    lean = 4 * tile * V + 2 * tile * V + 4 * V * H  # speed_group (256 on a CPU) > tile: the usual plan is larger
+    plans = []
+    for name in ("speed", "memory", "sparse"):
+        module = getattr(schedules, name)
+        monkeypatch.setattr(module, "run", lambda *a, f=module.run, n=name: plans.append((n, a[3])) or f(*a))
+    loss_fn = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=lean if budget == "lean" else budget, **TILES)
+    out, grads = run_fused(loss_fn, x)
+    ref, ref_grads = run_reference(x, {})
+    assert [n for n, _ in plans] == [expected]
+    if expected == "speed":
+        assert plans[0][1].group == tile >= plans[0][1].tile
+    assert_matches(out, grads, ref, ref_grads, rtol=1e-10)
+
+
 def test_misspelt_keywords_name_the_call_and_suggest():
     x = make_inputs(dtype=torch.float64)
     with pytest.raises(TypeError, match=r"__call__\(\).*'old_per_token_logp'.*did you mean 'old_per_token_logps'"):

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+from compiled_grpo import schedules
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, settle, trainer_budget
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghij")
 VOCAB = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
@@ -37,7 +38,7 @@ def digit_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
-def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, **settings):
+def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_options=None, **settings):
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=max_steps, learning_rate=5e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
@@ -51,6 +52,8 @@ def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, **settings
     extra = {"compiled": False} if cls is CompiledGRPOTrainer else {}
     if peft_config is not None:
         extra["peft_config"] = peft_config
+    if loss_options is not None:
+        extra["loss_options"] = loss_options
     return cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=data, processing_class=tokenizer(),
                **extra)  # fmt: skip
 
@@ -76,6 +79,7 @@ def loss_and_grads(fn, trainer, inputs, mode="train"):
     loss = fn(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    settle(trainer._metrics[mode])  # as when logged
     return loss.detach(), grads, {k: v[-1] for k, v in trainer._metrics[mode].items()}
 
 
@@ -155,6 +159,35 @@ def test_three_training_steps_change_the_parameters(tmp_path):
     assert len(changed) >= len(before) // 2
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"entropy", "clip_ratio/region_mean", "loss"} <= logged
+    assert all(isinstance(v, (int, float, str)) for entry in trainer.state.log_history for v in entry.values())
+
+
+def test_auto_keeps_the_head_within_what_trls_head_holds(tmp_path, monkeypatch):
+    """Inside the trainer "auto" bounds the lm_head's workspace by TRL's head's (a float32 dW sum and its copy),
+    unless loss_options sets a budget; the schedule it picks fits that budget."""
+    chosen = []
+    original = schedules.choose
+
+    def recording(requested, engine, objective, head, budget):
+        module, plan = original(requested, engine, objective, head, budget)
+        fits = module is schedules.memory or module.workspace_bytes(engine, plan, head) <= budget
+        chosen.append((module.__name__.rsplit(".", 1)[-1], budget, fits))
+        return module, plan
+
+    monkeypatch.setattr(schedules, "choose", recording)
+    model = tiny_model(dtype=torch.float32)
+    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, model)
+    weight = model.get_output_embeddings().weight
+    assert trainer.fused_loss.logits_budget_bytes == trainer_budget(trainer.fused_loss, weight, weight.device)
+    assert trainer_budget(trainer.fused_loss, weight, weight.device) >= weight.numel() * 8
+    trainer.current_gradient_accumulation_steps = 1
+    loss_and_grads(trainer._compute_loss, trainer, micro_batch())
+    assert chosen[-1][1:] == (trainer.fused_loss.logits_budget_bytes, True)
+    assert chosen[-1][0] != "speed"  # its workspace here (tiles of 256 tokens on a CPU) exceeds TRL's head's
+    roomy = make_trainer(CompiledGRPOTrainer, tmp_path, model, loss_options={"logits_budget_bytes": 1 << 30})
+    roomy.current_gradient_accumulation_steps = 1
+    loss_and_grads(roomy._compute_loss, roomy, micro_batch())
+    assert chosen[-1][:2] == ("speed", 1 << 30)
 
 
 def tiny_moe(seed=0):

@@ -28,6 +28,8 @@ from trl import GRPOTrainer
 
 from ..logprobs import fused_linear_extra_statistics, fused_linear_logprobs
 from ..loss import FusedLinearGRPOLoss
+from ..schedules import sparse
+from ..tiling import Tiles
 
 if trl.__version__ != "1.16.0":
     warnings.warn(
@@ -108,7 +110,7 @@ def hidden_states_at_head(model, lm_head, model_inputs: dict):
     return captured["hidden"], outputs
 
 
-def read_back(metrics: dict) -> dict[str, float]:
+def read_back(metrics: dict) -> dict:
     """The values of 0-d tensors, read from the device in one wait (not one per metric)."""
     if not metrics:
         return {}
@@ -116,14 +118,43 @@ def read_back(metrics: dict) -> dict[str, float]:
     return dict(zip(metrics, values, strict=True))
 
 
+def settle(metrics: dict[str, list]) -> None:
+    """Replace the tensors among logged values by their floats, read back in one wait."""
+    pending = [(k, i) for k, values in metrics.items() for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if pending:
+        values = read_back({(k, i): metrics[k][i] for k, i in pending})
+        for (k, i), value in values.items():
+            metrics[k][i] = value
+
+
+def trainer_budget(loss: FusedLinearGRPOLoss, weight, device) -> int:
+    """The lm_head workspace "auto" may take inside a trainer, where the model's activations are alive while the
+    head runs: what TRL's fused head holds in its backward (a float32 dW sum and a copy in the weight's dtype),
+    and never less than the sparse pass's largest workspace (its peak, measured, stays under TRL's)."""
+    trl_head = weight.numel() * (4 + weight.element_size())
+    return max(trl_head, sparse.workspace_bound(Tiles.for_device(device, **loss.tile_overrides), weight))
+
+
 class CompiledGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come
-    from `fused_linear_logprobs` (`compiled_fused_head`). `compiled` and `schedule` are passed to
-    `FusedLinearGRPOLoss`; everything else is TRL's."""
+    from `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
+    `logits_budget_bytes`...) are passed to `FusedLinearGRPOLoss`; everything else is TRL's. Unless
+    `loss_options` sets it, the lm_head's workspace is bounded by what TRL's own head would hold
+    (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. Metrics are kept as tensors and read
+    back when logged: a step does not wait on the GPU for them."""
 
-    def __init__(self, *args, compiled: bool = True, schedule: str = "auto", **kwargs):
+    def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
+                 **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
-        self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **loss_settings(self))
+        options = dict(loss_options or {})
+        self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
+        if "logits_budget_bytes" not in options:
+            weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
+            self.fused_loss.logits_budget_bytes = trainer_budget(self.fused_loss, weight, self.accelerator.device)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        settle(self._metrics["train" if self.model.training else "eval"])
+        super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         """Old and reference log-probs (and TRL's own scoring) on this library's kernels, like the loss's."""
@@ -149,9 +180,10 @@ class CompiledGRPOTrainer(GRPOTrainer):
         loss = out.loss
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
-        for name, value in read_back(out.metrics).items():
-            self._metrics[mode][name].append(value)
+            aux = self.accelerator.gather_for_metrics(outputs.aux_loss.detach()).mean()
+            self._metrics[mode]["aux_loss"].append(aux)
+        for name, value in out.metrics.items():  # read back when logged (`settle`)
+            self._metrics[mode][name].append(value.detach())
         if self._entropy_bonus_enabled:
             self._update_entropy_controller(out, mask, mode)
         return loss

@@ -10,6 +10,7 @@ workspace, which "auto" compares with a budget (memory is the fallback, whose wo
 
 from __future__ import annotations
 
+from .. import tiling
 from . import memory, sparse, speed
 from .passes import Engine
 
@@ -22,8 +23,10 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
     - top_entropy_quantile < 1: sparse (the threshold needs every entropy before any gradient; then only the
       masked-in tokens, and those the KL term or the bonus reach, need the gradient pass), or memory where
       sparse's workspace exceeds `budget` bytes;
-    - otherwise speed (6NHV, and 2NHV only for tokens at advantage 0 without KL or bonus), or memory where its
-      workspace exceeds `budget` bytes or a row that must stay whole does not fit a speed tile.
+    - otherwise speed (6NHV, and 2NHV only for tokens at advantage 0 without KL or bonus), with smaller tiles
+      and one dW GEMM per tile where its usual workspace exceeds `budget` bytes; where that exceeds it too, or
+      a row that must stay whole does not fit a speed tile: sparse where some token's gradient is known to be 0
+      (advantage 0 without KL or bonus: 2NHV + 6nHV for the n others), else memory (8NHV).
     An explicit schedule runs as asked (speed raises where a row that must stay whole does not fit)."""
     mask = objective.inputs.completion_mask
     if requested == "memory" or (requested == "auto" and engine.shard.parallel):
@@ -33,7 +36,10 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
         if requested == "sparse" or sparse.workspace_bytes(engine, plan, head) <= budget:
             return sparse, plan
         return memory, plan  # the same token plan
-    plan = speed.plan(engine, objective, head)
+    lean = requested == "auto" and speed.workspace_bound(engine, head) > budget
+    if lean and speed.workspace_bound(engine, head, lean=True) > budget:
+        return without_speed(engine, objective)  # decided before the plan's wait on the GPU
+    plan = speed.plan(engine, objective, head, lean)
     if plan is None and requested == "speed":
         raise ValueError(
             f"schedule='speed' with a sequence-level objective needs whole rows in a token tile; a row has more "
@@ -41,4 +47,14 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
         )
     if requested == "speed" or (plan is not None and speed.workspace_bytes(engine, plan, head) <= budget):
         return speed, plan
-    return memory, memory.plan(engine, mask)
+    return without_speed(engine, objective)
+
+
+def without_speed(engine: Engine, objective):
+    """sparse where some active token's gradient is known to be 0 from the inputs, else memory; one wait on the
+    GPU for the token plan and that count."""
+    mask = objective.inputs.completion_mask
+    zero = objective.zero_gradient_tokens()
+    (active, *zeros), _ = tiling.positions_and_lengths((mask,) if zero is None else (mask, zero))
+    plan = tiling.plan_tokens(active, mask.numel(), engine.tiles.token_tile, engine.tiles.tail_tile)
+    return (sparse if zeros and zeros[0].numel() else memory), plan

@@ -42,6 +42,13 @@ def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
     return max(4 * t.stats_rows * vocab, 4 * t.sparse_tile * vocab + kept)
 
 
+def workspace_bound(tiles, weight) -> int:
+    """The largest `workspace_bytes` of any plan with these tiles, for an lm_head weight [V, H]."""
+    vocab = weight.shape[0]
+    kept = 4 * weight.numel() if weight.dtype in WIDE else 2 * 2 * tiles.stats_rows * vocab
+    return max(4 * tiles.stats_rows * vocab, 4 * tiles.sparse_tile * vocab + kept)
+
+
 WIDE = (torch.float32, torch.float64)
 
 

@@ -38,15 +38,17 @@ class SpeedPlan:
     gradient: TilePlan  # tokens that get a gradient (whole rows in a tile when the objective couples them)
     statistics_only: TilePlan | None  # tokens whose gradient is known to be 0
     buffered: bool  # dW from one GEMM over every gradient token's 16-bit logits gradient (`buffers_weight_gradient`)
+    group: int  # tokens per dW GEMM into the float32 [V, H] sum, when not buffered
 
     @property
     def tile(self) -> int:
         return max((n for _, n in self.gradient.tiles), default=0)
 
 
-def plan(engine: Engine, objective: Objective, head: Head) -> SpeedPlan | None:
+def plan(engine: Engine, objective: Objective, head: Head, lean: bool = False) -> SpeedPlan | None:
     """The tile plan, or None when a row that must stay whole has more active tokens than a tile. One wait on
-    the GPU (every count the plan needs is read back at once)."""
+    the GPU (every count the plan needs is read back at once). `lean`: the smaller workspace of
+    `accumulating_speed_tile` tokens per tile and one dW GEMM per tile (for a tight memory budget)."""
     mask = objective.inputs.completion_mask
     zero = objective.zero_gradient_tokens()
     gradient_mask = mask if zero is None else mask.bool() & ~zero
@@ -55,8 +57,7 @@ def plan(engine: Engine, objective: Objective, head: Head) -> SpeedPlan | None:
     (active, *zero_positions), lengths = tiling.positions_and_lengths(masks, gradient_mask if whole_rows else None)
     t = engine.tiles
     buffered = passes.buffers_weight_gradient(head.weight.dtype, active.numel(), head.weight.shape[1])
-    accumulates = head.weight.requires_grad and not buffered
-    tile = t.accumulating_speed_tile if accumulates and head.weight.shape[1] > SMALL_HIDDEN else t.speed_tile
+    tile, group = tile_and_group(engine, head, head.weight.requires_grad and not buffered, lean)
     if whole_rows:
         gradient = tiling.plan_whole_rows(active, lengths, mask.numel(), tile)
         if gradient is None:
@@ -66,7 +67,26 @@ def plan(engine: Engine, objective: Objective, head: Head) -> SpeedPlan | None:
     statistics_only = None
     if zero_positions:
         statistics_only = tiling.plan_tokens(zero_positions[0], mask.numel(), t.stats_rows, t.tail_tile)
-    return SpeedPlan(gradient, statistics_only, buffered)
+    return SpeedPlan(gradient, statistics_only, buffered, group)
+
+
+def tile_and_group(engine: Engine, head: Head, accumulates: bool, lean: bool) -> tuple[int, int]:
+    """Tokens per tile and per dW GEMM into the float32 sum."""
+    t = engine.tiles
+    halved = lean or (accumulates and head.weight.shape[1] > SMALL_HIDDEN)
+    tile = t.accumulating_speed_tile if halved else t.speed_tile
+    return tile, tile if lean else t.speed_group
+
+
+def workspace_bound(engine: Engine, head: Head, lean: bool = False) -> int:
+    """The workspace of the largest plan `plan` can make, known before its wait on the GPU: full tiles, and dW
+    summed in float32 (keeping every token's 16-bit gradient instead is chosen only where it is no larger)."""
+    vocab = head.weight.shape[0]
+    if not head.weight.requires_grad:
+        tile, _ = tile_and_group(engine, head, False, lean)
+        return 6 * tile * vocab
+    tile, group = tile_and_group(engine, head, True, lean)
+    return 4 * tile * vocab + 2 * max(tile, group) * vocab + 4 * head.weight.numel()
 
 
 def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
@@ -78,7 +98,7 @@ def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
     elif plan.buffered:
         kept = 2 * plan.gradient.slots * vocab
     else:
-        kept = 2 * max(plan.tile, engine.tiles.speed_group) * vocab + 4 * head.weight.numel()
+        kept = 2 * max(plan.tile, plan.group) * vocab + 4 * head.weight.numel()
     return 4 * plan.tile * vocab + kept
 
 
@@ -136,7 +156,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         logp, entropy = flat.view(ids.shape)
         loss, metrics = objective.loss_and_metrics(logp, entropy, compiled=compile_objective)
         return loss, metrics, logp, entropy, None
-    grads = TokenOuterGradients(x, detached, tiles, engine.tiles.speed_group, plan.buffered, wanted)
+    grads = TokenOuterGradients(x, detached, tiles, plan.group, plan.buffered, wanted)
     norms = None
     for s, n in tiles:
         logp, entropy, lse, product = engine.kernels.statistics_and_product(
