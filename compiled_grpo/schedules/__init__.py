@@ -5,7 +5,8 @@ speed:  statistics and gradients on the same logits, tile by tile (6NHV; not wit
 sparse: statistics forward, gradients recomputed only for the rows whose upstream gradient is non-zero
         (2NHV + 6nHV for n such rows).
 Each module owns its plan, its autograd Function and its tile loop; speed and sparse also estimate their
-workspace, which "auto" compares with a budget (memory is the fallback, whose workspace is a logits tile).
+workspace, which "auto" compares with a budget (sparse or memory are the fallback, whose workspace is a logits
+tile).
 """
 
 from __future__ import annotations
