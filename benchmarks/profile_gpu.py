@@ -34,13 +34,15 @@ PHASES = (
 
 
 @contextlib.contextmanager
-def phases_recorded():
-    """Each phase wrapped in a profiler range named after it, for the duration of the block."""
+def phases_recorded(phases=PHASES):
+    """Each phase, (owner, attribute) or (owner, attribute, label), wrapped in a profiler range named after it
+    (or its label), for the duration of the block."""
     saved = []
-    for owner, name in PHASES:
+    for owner, name, *label in phases:
         original = owner.__dict__[name]
         function = original.__func__ if isinstance(original, staticmethod) else original
-        wrapped = in_range(function, f"phase:{getattr(owner, '__name__', '')}.{name}")
+        label = label[0] if label else f"{getattr(owner, '__name__', '')}.{name}"
+        wrapped = in_range(function, f"phase:{label}")
         setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
         saved.append((owner, name, original))
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import trl.kernels.chunked_logprob as trl_head
 from torch.profiler import ProfilerActivity, profile, record_function
 from trl import GRPOTrainer
 
-from benchmarks import trl_step
+from benchmarks import profile_gpu, trl_step
 from compiled_grpo import FusedLinearGRPOLoss
 from compiled_grpo.integrations import trl as trl_integration
 from compiled_grpo.schedules import memory, sparse, speed
@@ -44,39 +43,22 @@ MODEL_FORWARD, BACKWARD, STEP = "backbone forward", "backward (all)", "step"
 @contextlib.contextmanager
 def phases_recorded(model):
     """Every phase wrapped in a profiler range named after it, and the backbone's forward, for the block."""
-    saved = []
-    for owner, name, label in PHASES:
-        original = owner.__dict__[name]
-        function = original.__func__ if isinstance(original, staticmethod) else original
-        wrapped = in_range(function, f"phase:{label}")
-        setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
-        saved.append((owner, name, original))
     ranges = []
     backbone = model.model  # the decoder without lm_head (TRL's fused head runs in the outer forward)
     enter = backbone.register_forward_pre_hook(lambda *a: ranges.append(opened(f"phase:{MODEL_FORWARD}")))
     leave = backbone.register_forward_hook(lambda *a: ranges.pop().__exit__(None, None, None))
     try:
-        yield
+        with profile_gpu.phases_recorded(PHASES):
+            yield
     finally:
         enter.remove()
         leave.remove()
-        for owner, name, original in saved:
-            setattr(owner, name, original)
 
 
 def opened(label: str):
     r = record_function(label)
     r.__enter__()
     return r
-
-
-def in_range(function, label: str):
-    @functools.wraps(function)
-    def wrapped(*args, **kwargs):
-        with record_function(label):
-            return function(*args, **kwargs)
-
-    return wrapped
 
 
 def with_backward_range(step):
