@@ -53,7 +53,7 @@ def pack(x: dict, keep_masked: bool = False) -> dict:
     mask = x["completion_mask"].bool()
     B, T = mask.shape
     keep = torch.ones_like(mask) if keep_masked else mask
-    segment_ids = torch.arange(B).unsqueeze(1).expand(B, T)[keep]
+    segment_ids = torch.arange(B, device=mask.device).unsqueeze(1).expand(B, T)[keep]
     p = {
         "hidden": x["hidden"][keep],
         "weight": x["weight"],

@@ -134,14 +134,13 @@ class LossWithGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value, logp, entropy, g_logp, g_entropy):
-        ctx.gradients = (g_logp, g_entropy)
+        ctx.save_for_backward(g_logp, g_entropy)  # freed by autograd after a backward unless retain_graph
         ctx.set_materialize_grads(False)
         return value.detach().clone()
 
     @staticmethod
     def backward(ctx, g):
-        g_logp, g_entropy = ctx.gradients
-        ctx.gradients = None
+        g_logp, g_entropy = ctx.saved_tensors
         scaled = lambda t: None if t is None or g is None else t * g
         return None, scaled(g_logp), scaled(g_entropy), None, None
 

@@ -9,6 +9,7 @@ import torch
 
 HEAD_TENSORS = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
 PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+CONSTANT_INPUTS = ("advantages", *PER_TOKEN, "importance_sampling_ratio")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class LossInputs:
             return dataclasses.replace(self, **per_target, hidden=as_padded(self.hidden),
                                        ref_hidden=as_padded(self.ref_hidden))  # fmt: skip
         return dataclasses.replace(self, **per_target, hidden_rows=packing.rows)
+
+    def with_constants_detached(self) -> LossInputs:
+        """The advantages, the old, reference and sampling log-probs and the IS ratio detached: the loss treats them
+        as constants on every schedule, as TRL does (it computes them without gradient). A tensor that carries a
+        graph (old log-probs computed outside no_grad, say) would otherwise send gradient back through it."""
+        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t
+        return dataclasses.replace(self, **{name: detach(getattr(self, name)) for name in CONSTANT_INPUTS})
 
     def cast_head(self, convert) -> LossInputs:
         """The same inputs with `convert` applied to the lm_head's tensors (hidden states, weights, biases)."""

@@ -144,7 +144,7 @@ class FusedLinearGRPOLoss:
             ref_hidden=ref_hidden,
             ref_weight=ref_weight,
             ref_bias=ref_bias,
-        )
+        ).with_constants_detached()
         validation.check_devices(given)
         inputs, packing = lay_out(given, (segment_ids, num_sequences, row_index), self.validate)
         inputs = inputs.under_autocast()

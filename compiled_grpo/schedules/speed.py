@@ -204,13 +204,14 @@ class PrecomputedGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+        # saved, not kept on ctx: autograd frees them after a backward (unless retain_graph), so a kept loss does
+        # not hold dW, and a second backward with retain_graph=True finds them again
+        ctx.save_for_backward(*grads)
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, g):
-        grads = ctx.grads
-        ctx.grads = None
+        grads = ctx.saved_tensors
         if not torch.equal(g, torch.ones_like(g)):  # the usual loss.backward() needs no pass over [V, H]
             grads = tuple(None if t is None else (t * g).to(t.dtype) for t in grads)
         return (None, *grads, None)
