@@ -1,16 +1,14 @@
-"""`python -m audits`: the numerics audit of the fused GRPO loss and of the per-token primitive under it, with a
-verdict and the evidence.
+"""The numerics audit of the fused GRPO loss and of the per-token primitive under it, with a verdict and the
+evidence (`python -m audits` in a checkout, `compiled-grpo-audit` after an install; it needs the `audit` extra:
+numpy, scipy, matplotlib and rich).
 
-    python -m audits                        # --quick: every loss type x IS level x quantile x dtype x mode
-    python -m audits --full                 # larger sizes, two seeds, more vocabulary sizes, 2**24+ ties
-    python -m audits --device cuda --out audit-report
-
-Exit status 0 when every cell passes, 1 when any fails, 2 on a selection that checks nothing.
+Exit status 0 when every cell passes, 1 when any fails, 2 on a selection that checks nothing or missing extras.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 import sys
 import time
@@ -18,12 +16,16 @@ import warnings
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from compiled_grpo import LOSS_TYPES
 
-from . import entropy_audit, logprobs_audit, loss_audit, quantile_audit, report
+# What the audit imports beyond torch (the `audit` extra); checked before any of it is imported, so that a plain
+# install says what to install instead of failing on the first import.
+EXTRAS = ("numpy", "scipy", "matplotlib", "rich")
+DESCRIPTION = """The numerics audit of the fused GRPO loss and of the per-token primitive under it, against the float64
+reference, numpy and scipy: a table, audit.md with plots, and the exit status (0 when every cell passes, 1 when
+any fails, 2 on a selection that checks nothing or missing packages). It needs numpy, scipy, matplotlib and rich:
+pip install 'compiled-grpo[audit]'."""
 
 AUDITS = ("loss", "logprobs", "quantile", "entropy")
 MODES = ("eager", "compiled")
@@ -48,8 +50,28 @@ def comma_list(ap, flag: str, text: str, valid: tuple[str, ...]) -> tuple[str, .
     return values
 
 
+def usage_examples(prog: str) -> str:
+    return (
+        f"{prog}                        # --quick: every loss type x IS level x quantile x dtype x mode\n"
+        f"{prog} --full                 # larger sizes, two seeds, more vocabulary sizes, 2**24+ ties\n"
+        f"{prog} --device cuda --out audit-report"
+    )
+
+
+def missing_extras() -> list[str]:
+    return [name for name in EXTRAS if not installed(name)]
+
+
+def installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 def parse(argv):
-    ap = argparse.ArgumentParser(prog=program_name(), description=__doc__,
+    prog = program_name()
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=usage_examples(prog),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the default: small sizes, one seed")
@@ -76,6 +98,20 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    missing = missing_extras()
+    if missing:
+        print(f"{program_name()}: the audit needs {', '.join(EXTRAS)}; missing: {', '.join(missing)}. Install them "
+              f"with: pip install 'compiled-grpo[audit]'", file=sys.stderr)  # fmt: skip
+        return 2
+    return run(args)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import entropy_audit, logprobs_audit, loss_audit, quantile_audit, report
+
     console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and CI: do not squeeze the table
     warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
     dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
@@ -90,9 +126,15 @@ def main(argv=None) -> int:
     started = time.time()
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    lines = ProgressLines(total, every_s=10.0) if not sys.stdout.isatty() else None
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("auditing", total=total)
-        advance = lambda: progress.advance(task)
+
+        def advance():
+            progress.advance(task)
+            if lines is not None:  # a log or CI: the bar is not drawn, so say how far it is now and then
+                lines.advance()
+
         if cells:
             progress.update(task, description="loss cells (the first compiled cells compile the tiles)")
             results += loss_audit.run(cells, size, args.device, seeds, advance)
@@ -123,6 +165,22 @@ def main(argv=None) -> int:
     console.print(f"[bold {'green' if line.startswith('PASS') else 'red'}]{line}[/]")
     console.print(f"report: {path} ({len(plots)} plots)")
     return 0 if all(r.passed for r in results) else 1
+
+
+class ProgressLines:
+    """Plain progress lines for output that is not a terminal: `[audit] done/total cells, elapsed`, at most one per
+    `every_s` seconds, and the last one."""
+
+    def __init__(self, total: int, every_s: float):
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.started = self.last = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            print(f"[audit] {self.done}/{self.total} done, {now - self.started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The built wheel installs only `compiled_grpo` (the reference and the audit mapped under it), and the audit
-runs from the installed package, away from the checkout."""
+runs from the installed package, away from the checkout; without the audit's extra packages its command still
+shows its usage, and says what to install instead of failing on an import."""
 
 from __future__ import annotations
 
@@ -33,7 +34,31 @@ def test_wheel_installs_no_generic_top_level_names_and_its_audit_runs(tmp_path):
     ).stdout  # fmt: skip
     script = [str(site / "bin" / "compiled-grpo-audit")]
     module = [sys.executable, "-m", "compiled_grpo.audits"]
+    # a plain install: the audit's extras cannot be imported (the test environment has them, so they are hidden)
+    hidden = tmp_path / "hide-extras"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text(HIDE_EXTRAS)
+    plain = {"PYTHONPATH": f"{hidden}:{site}"}
     for command, name in ((script, "compiled-grpo-audit"), (module, "python -m compiled_grpo.audits")):
-        usage = subprocess.run([*command, "--help"], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
-        assert usage.startswith(f"usage: {name} "), usage[:80]
+        usage = subprocess.run([*command, "--help"], cwd=tmp_path, env=plain, capture_output=True, text=True)
+        assert usage.returncode == 0, usage.stderr
+        assert usage.stdout.startswith(f"usage: {name} "), usage.stdout[:80]
+        assert "python -m audits" not in usage.stdout  # a checkout's command does not work after an install
+        assert f"{name} --device cuda" in usage.stdout
+        run = subprocess.run([*command, "--only", "quantile"], cwd=tmp_path, env=plain, capture_output=True, text=True)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert "missing: numpy, scipy, matplotlib, rich" in run.stderr and "compiled-grpo[audit]" in run.stderr
+        assert "Traceback" not in run.stderr, run.stderr
+
+
+HIDE_EXTRAS = """
+import importlib.abc, sys
+
+class HideExtras(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("numpy", "scipy", "matplotlib", "rich"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, HideExtras())
+"""
