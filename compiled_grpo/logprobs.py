@@ -18,6 +18,7 @@ log-probs from this function agree bitwise.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -78,7 +79,7 @@ def fused_linear_logprobs(
     finite temperatures, finite statistics). Tile sizes: token_tile, tail_tile, vocab_tile, stats_rows,
     sparse_tile (`tiling.Tiles`, defaults by device). Under autocast the GEMMs run in the autocast dtype.
     """
-    validation.unknown_names(tiles, TILE_OPTIONS, "fused_linear_logprobs()")
+    validation.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
                       vocab_parallel_group, vocab_start, tiles)  # fmt: skip
     call = prepare(hidden, weight, targets, bias, options)
@@ -113,7 +114,7 @@ def fused_linear_extra_statistics(
 ) -> ExtraStatistics:
     """Without gradient, the per-token fields TRL 1.16's fused head also offers (`ExtraStatistics`), from one more
     statistics pass over the lm_head (same arguments as `fused_linear_logprobs`; no vocabulary-parallel head)."""
-    validation.unknown_names(tiles, TILE_OPTIONS, "fused_linear_extra_statistics()")
+    validation.unknown_names(tiles, TILE_OPTIONS + EXTRA_OPTIONS, "fused_linear_extra_statistics()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, False, None, 0, tiles)
     call = prepare(hidden, weight, targets, bias, options)
     x = to_slots(call.stream.hidden, call.plan, fill=None)
@@ -128,6 +129,16 @@ def fused_linear_extra_statistics(
             slots = torch.cat([o[i] for o in outs]) if outs else x.new_zeros(0, dtype=dtype)
             fields.append(from_slots(slots, call.plan, numel).view(targets.shape))
     return ExtraStatistics(*fields)
+
+
+def _keywords(function) -> tuple[str, ...]:
+    kinds = (inspect.Parameter.KEYWORD_ONLY,)
+    return tuple(p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds)
+
+
+# every keyword, so that a misspelt one (tiles swallows unknown names) gets the closest valid name suggested
+LOGPROBS_OPTIONS = _keywords(fused_linear_logprobs)
+EXTRA_OPTIONS = _keywords(fused_linear_extra_statistics)
 
 
 class Call(NamedTuple):
@@ -219,16 +230,26 @@ def check_inputs(hidden, weight, targets, bias, temperature) -> None:
     named = {"weight": weight, "targets": targets, "bias": bias}
     if isinstance(temperature, torch.Tensor):
         named["temperature"] = temperature
-        try:
-            torch.broadcast_shapes(temperature.shape, targets.shape)
-        except RuntimeError:
-            raise ValueError(f"temperature: shape {tuple(temperature.shape)} does not broadcast to targets' "
-                             f"{tuple(targets.shape)}") from None  # fmt: skip
+        check_temperature_shape(temperature, targets)
     elif not isinstance(temperature, (int, float)) or not temperature > 0 or temperature == float("inf"):
         raise ValueError(f"temperature: expected a positive finite number or a tensor, got {temperature!r}")
     for name, x in named.items():
         if x is not None and x.device != hidden.device:
             raise TypeError(f"{name}: is on {x.device}, hidden on {hidden.device}: every input must be on one device")
+
+
+def check_temperature_shape(temperature: torch.Tensor, targets: torch.Tensor) -> None:
+    """A temperature tensor is 0-d or has targets' number of dimensions ([B, 1] per sequence, [B, T] per token,
+    [N] per packed target): a [B] tensor against [B, T] targets would broadcast along T, per position, silently."""
+    shape, want = tuple(temperature.shape), tuple(targets.shape)
+    if temperature.dim() not in (0, targets.dim()):
+        raise ValueError(f"temperature: expected a scalar or a tensor with targets' {targets.dim()} dimensions (per "
+                         f"sequence [B, 1], per token {list(want)}), got shape {shape}; for one temperature per "
+                         f"sequence pass temperature[:, None]")  # fmt: skip
+    try:
+        torch.broadcast_shapes(shape, want)
+    except RuntimeError:
+        raise ValueError(f"temperature: shape {shape} does not broadcast to targets' {want}") from None
 
 
 def check_values(flat_targets, valid, weight, group, temperature) -> None:

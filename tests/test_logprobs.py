@@ -86,6 +86,25 @@ def test_temperature_per_sequence_and_per_token(per):
     compare({"temperature": temperature, "final_logit_softcapping": 4.0})
 
 
+def test_a_per_sequence_temperature_of_shape_B_is_refused_when_B_equals_T():
+    """[B] against [B, T] targets with B == T would broadcast per position, silently: an error naming the argument;
+    [B, 1] is the per-sequence form, and a 0-d tensor is a scalar."""
+    hidden, weight = torch.randn(4, 4, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    targets = torch.randint(0, 11, (4, 4))
+    per_sequence = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"temperature: .* got shape \(4,\); .* temperature\[:, None\]"):
+        fused_linear_logprobs(hidden, weight, targets, temperature=per_sequence, compiled=False)
+    got = fused_linear_logprobs(hidden, weight, targets, temperature=per_sequence[:, None], compiled=False)
+    want = reference.fused_linear_logprobs(hidden, weight, targets, temperature=per_sequence[:, None])
+    torch.testing.assert_close(got.logp, want.logp)
+    for i in range(4):  # each row at its own temperature
+        row = reference.fused_linear_logprobs(hidden[i], weight, targets[i], temperature=float(per_sequence[i]))
+        torch.testing.assert_close(got.logp[i], row.logp)
+    scalar = fused_linear_logprobs(hidden, weight, targets, temperature=torch.tensor(0.5), compiled=False)
+    torch.testing.assert_close(scalar.logp, fused_linear_logprobs(hidden, weight, targets, temperature=0.5,
+                                                                  compiled=False).logp)  # fmt: skip
+
+
 def test_entropy_false_and_no_entropy_gradient(monkeypatch):
     """entropy=False returns None and forms no entropy term; so does an entropy whose upstream gradient is 0."""
     seen = []
@@ -216,6 +235,10 @@ def test_bad_inputs_name_the_argument():
         ({"targets": targets.masked_fill(targets == -100, 5000)}, "targets"),
         ({"weight": torch.empty_like(weight, device="meta")}, "weight"),
         ({"token_tiles": 64}, "token_tiles"),
+        ({"temprature": 0.7}, "did you mean 'temperature'"),
+        ({"ignore_idx": 5}, "did you mean 'ignore_index'"),
+        ({"temperature": torch.ones(3)}, r"temperature: expected a scalar or a tensor with targets' 2 dimensions"),
+        ({"temperature": torch.ones(3, 37, 1)}, "temperature"),
     ]
     for change, name in cases:
         args = {"hidden": hidden, "weight": weight, "targets": targets, "bias": bias, **change}
