@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import warnings
 
 import torch
 
@@ -14,6 +17,35 @@ from . import streaming
 RECOMPILE_LIMIT = 64
 
 
+class CompilingNotice(UserWarning):
+    """Given once per process, at the first call of a compiled tile function: torch.compile is compiling, which
+    takes a while (silence it with `warnings.filterwarnings("ignore", category=CompilingNotice)`)."""
+
+
+_compiling_noticed = False
+
+
+def notice_compiling() -> None:
+    global _compiling_noticed
+    if not _compiling_noticed:
+        _compiling_noticed = True
+        warnings.warn(
+            "compiled_grpo: the first compiled call compiles its tile kernels with torch.compile (10-30 s on a "
+            "2-core CPU, less on a GPU host; new shapes compile a few more; Inductor's cache shortens later runs)",
+            CompilingNotice,
+            stacklevel=frames_to_caller(),
+        )
+
+
+def frames_to_caller() -> int:
+    """warnings' stacklevel of the first frame outside this package (the user's call), counted from the caller."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def compile_tile(f):
     """`f` under torch.compile(fullgraph=True, dynamic=False), allowed RECOMPILE_LIMIT graphs (raised for the
     call and restored after it, so the process-wide setting is left alone; a plain attribute swap costs 5 us
@@ -23,6 +55,7 @@ def compile_tile(f):
 
     @functools.wraps(f)
     def call(*args):
+        notice_compiling()
         limit = config.recompile_limit
         config.recompile_limit = max(RECOMPILE_LIMIT, limit)
         try:

@@ -37,6 +37,7 @@ class GRPOLossOutput:
     per_token_logps: torch.Tensor | None = None  # [B,T], detached, 0 where masked
     entropy: torch.Tensor | None = None  # [B,T], detached, 0 where masked
     entropy_mask: torch.Tensor | None = None  # [B,T] bool, None when top_entropy_quantile == 1
+    schedule: str | None = None  # the schedule that ran: "memory", "speed" or "sparse" (what "auto" chose)
 
 
 class FusedLinearGRPOLoss:
@@ -163,8 +164,8 @@ class FusedLinearGRPOLoss:
             out = self._loss(inputs, step, VocabShard(self.vocab_group, vocab_start))
         if packing is None:
             return out
-        return GRPOLossOutput(out.loss, out.metrics, *map(packing.pack, (out.per_token_logps, out.entropy,
-                                                                             out.entropy_mask)))  # fmt: skip
+        packed = map(packing.pack, (out.per_token_logps, out.entropy, out.entropy_mask))
+        return GRPOLossOutput(out.loss, out.metrics, *packed, schedule=out.schedule)
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
@@ -174,7 +175,7 @@ class FusedLinearGRPOLoss:
         objective = Objective(self.config, inputs, step, self.process_group)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
-        out = GRPOLossOutput(*schedule.run(engine, objective, head, plan))
+        out = GRPOLossOutput(*schedule.run(engine, objective, head, plan), schedule=schedule.NAME)
         if self.validate:
             active = inputs.completion_mask.bool()
             rows = lambda: validation.active_hidden_rows(inputs.hidden, active, inputs.hidden_rows)

@@ -98,3 +98,12 @@ def test_primitive_audit_fails_when_the_entropy_gradient_is_dropped(tmp_path, mo
     assert main(argv) == 1
     failing = (tmp_path / "audit.md").read_text().split("## Failing cells")[1].split("##")[0]
     assert "plain" in failing and "no entropy gradient" not in failing
+
+
+def test_progress_lines_when_the_output_is_not_a_terminal(tmp_path, capsys):
+    """CI logs and pipes get plain progress lines (the bar is drawn only on a terminal)."""
+    assert main(["--only", "quantile", "--out", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[audit] ")]
+    assert lines and lines[-1].startswith("[audit] ") and " done, " in lines[-1]
+    done, total = lines[-1].split()[1].split("/")
+    assert done == total

@@ -131,3 +131,19 @@ def counted(function, calls: dict, key: str):
         return function(*args, **kwargs)
 
     return call
+
+
+def test_the_first_compiled_call_says_once_that_it_compiles(monkeypatch):
+    import warnings
+
+    from compiled_grpo import CompilingNotice, kernels
+
+    monkeypatch.setattr(kernels, "_compiling_noticed", False)
+    x = make_inputs(seed=9, dtype=torch.float32)
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="memory", **TILES)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            run_fused(loss_fn, x)
+    notices = [w for w in seen if issubclass(w.category, CompilingNotice)]
+    assert len(notices) == 1 and "torch.compile" in str(notices[0].message)

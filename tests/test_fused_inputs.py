@@ -334,3 +334,21 @@ def test_functional_form_takes_every_constructor_option(option, monkeypatch):
     assert built[0][option] is value
     ref, ref_grads = run_reference({**x, "ref_per_token_logps": x["old_per_token_logps"]}, settings)
     assert_matches(out, grads, ref, ref_grads, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "settings, schedule, expected",
+    [
+        ({}, "auto", "speed"),
+        ({"top_entropy_quantile": 0.2}, "auto", "sparse"),
+        ({}, "memory", "memory"),
+        ({}, "sparse", "sparse"),
+    ],
+)
+def test_the_output_names_the_schedule_that_ran(settings, schedule, expected):
+    x = make_inputs(seed=8)
+    assert call(x, settings, schedule).schedule == expected
+    budget = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=1, **TILES, **settings)  # nothing fits: memory
+    args = [x[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    if schedule == "auto":
+        assert budget(*args, old_per_token_logps=x["old_per_token_logps"]).schedule == "memory"

@@ -52,13 +52,24 @@ def test_wheel_installs_no_generic_top_level_names_and_its_audit_runs(tmp_path):
 
 
 HIDE_EXTRAS = """
-import importlib.abc, sys
+import sys
 
-class HideExtras(importlib.abc.MetaPathFinder):
+HIDDEN = ("numpy", "scipy", "matplotlib", "rich")
+
+
+class WithoutExtras:
+    # the path finder, except that the hidden packages are not found (find_spec None: not installed)
+    def __init__(self, finder):
+        self.finder = finder
+
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("numpy", "scipy", "matplotlib", "rich"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
+        if name.split(".")[0] in HIDDEN:
+            return None
+        return self.finder.find_spec(name, path, target)
 
-sys.meta_path.insert(0, HideExtras())
+    def __getattr__(self, attribute):
+        return getattr(self.finder, attribute)
+
+
+sys.meta_path[:] = [WithoutExtras(f) if getattr(f, "__name__", "") == "PathFinder" else f for f in sys.meta_path]
 """

@@ -23,6 +23,8 @@ from ..tiling import TilePlan
 from . import passes
 from .passes import Engine, Slots, Wanted
 
+NAME = "memory"
+
 
 def plan(engine: Engine, mask) -> TilePlan:
     return tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)

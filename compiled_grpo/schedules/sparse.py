@@ -32,6 +32,8 @@ from .passes import Engine, TokenOuterGradients, Wanted
 
 plan = memory.plan
 
+NAME = "sparse"
+
 
 def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
     """The statistics pass's float32 logits, or the token-outer gradient pass's: a [sparse_tile, V] float32

@@ -32,6 +32,8 @@ from .passes import Engine, TokenOuterGradients, Wanted
 # 2048-token tiles instead of 1024, at 2.84 and 3.21 GiB instead of 2.26 and 2.63).
 SMALL_HIDDEN = 2048
 
+NAME = "speed"
+
 
 @dataclass(frozen=True)
 class SpeedPlan:
