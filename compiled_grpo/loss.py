@@ -21,6 +21,7 @@ import torch
 
 from . import distributed, schedules, validation
 from .batch_objective import Objective, Step
+from .capture import Captures
 from .config import SETTING_NAMES, GRPOLossConfig
 from .head import VocabShard, make_head
 from .inputs import LossInputs
@@ -66,6 +67,7 @@ class FusedLinearGRPOLoss:
         logits_budget_bytes: int = 6 << 30,
         process_group=None,
         vocab_parallel_group=None,
+        capture: bool = False,
         **settings,
     ):
         validation.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
@@ -94,6 +96,8 @@ class FusedLinearGRPOLoss:
         self.process_group = process_group
         self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
         self.kernels = Kernels(compiled)
+        # On a GPU, the speed schedule's work after its plan as CUDA graph replays (`capture.Captures`)
+        self.captures = Captures() if capture else None
 
     def __call__(
         self,
@@ -169,7 +173,8 @@ class FusedLinearGRPOLoss:
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
-        engine = passes.Engine(self.kernels, Tiles.for_device(inputs.hidden.device, **self.tile_overrides), shard)
+        tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
+        engine = passes.Engine(self.kernels, tiles, shard, self.captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config)
         objective = Objective(self.config, inputs, step, self.process_group)

@@ -103,11 +103,13 @@ def positions_and_lengths(masks, rows=None):
     return found, (counts[len(flat) :] if rows is not None else None)
 
 
-def plan_tokens(active: torch.Tensor, numel: int, tile: int, tail: int) -> TilePlan:
+def plan_tokens(active: torch.Tensor, numel: int, tile: int, tail: int, bucket: int = 0) -> TilePlan:
     """Tiles over the `active` positions (of `numel`) in order, regardless of rows (token-separable objectives,
-    stats passes, the rows of a gradient pass)."""
+    stats passes, the rows of a gradient pass). `bucket`: the slots rounded up to a multiple of it (padding
+    slots), so that batches of nearby sizes share one tile structure (one captured graph)."""
     n = active.numel()
-    tiles = bulk_and_tail(n, tile, min(tail, tile))
+    padded = -(-n // bucket) * bucket if bucket else n
+    tiles = bulk_and_tail(padded, tile, min(tail, tile))
     slots = tiles[-1][0] + tiles[-1][1] if tiles else 0
     slot_of_active = torch.arange(n, device=active.device)
     return _make_plan(active, slot_of_active, slots, tuple(tiles), identity=n == numel == slots)

@@ -179,3 +179,36 @@ def test_constant_inputs_and_a_second_backward_on_gpu(schedule):
     out.loss.backward()
     assert given.grad is None
     assert_matches(out, {"hidden": h.grad / 2, "weight": w.grad / 2}, ref, ref_grads, rtol=1e-4)
+
+
+def test_captured_speed_schedule_on_gpu():
+    """capture=True: the speed schedule's work as CUDA graph replays, bitwise equal to the same call uncaptured
+    (same bucketed plan), and to the reference in float32; one lm_head across calls, as in training."""
+    from compiled_grpo import capture
+
+    settings = {"loss_type": "dapo", "entropy_coef": 0.01, "beta": 0.04}
+    captured = FusedLinearGRPOLoss(compiled=True, schedule="speed", capture=True, **settings)
+    plain = FusedLinearGRPOLoss(compiled=True, schedule="speed", capture=True, **settings)
+    plain.captures = capture.Captures(limit=0)
+    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    first = on_cuda(make_inputs(seed=8, B=4, T=300, H=256, V=32003, dtype=torch.float32, ref=True, bias=True))
+    weight, bias = first["weight"].clone().requires_grad_(), first["bias"].clone().requires_grad_()
+    for seed in range(4):
+        x = on_cuda(make_inputs(seed=8 + seed, B=4, T=300, H=256, V=32003, dtype=torch.float32, ref=True, bias=True))
+        x["completion_mask"], x["weight"], x["bias"] = first["completion_mask"], first["weight"], first["bias"]
+        results = []
+        for loss_fn in (captured, plain):
+            weight.grad = bias.grad = None
+            h = x["hidden"].clone().requires_grad_()
+            out = loss_fn(h, weight, x["completion_ids"], x["completion_mask"], x["advantages"], bias=bias,
+                          old_per_token_logps=x["old_per_token_logps"], ref_per_token_logps=x["ref_per_token_logps"],
+                          num_items_in_batch=1000 + seed)  # fmt: skip
+            out.loss.backward()
+            results.append((out, {"hidden": h.grad, "weight": weight.grad.clone(), "bias": bias.grad.clone()}))
+        (a, a_grads), (b, b_grads) = results
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.per_token_logps, b.per_token_logps)
+        assert all(torch.equal(a.metrics[k], b.metrics[k]) for k in b.metrics)
+        assert all(torch.equal(a_grads[k], b_grads[k]) for k in b_grads)
+        ref, ref_grads = run_reference(x, settings, num_items_in_batch=1000 + seed)
+        assert_matches(a, a_grads, ref, ref_grads, rtol=1e-4)
+    assert captured.captures.replays == 3

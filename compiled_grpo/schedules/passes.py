@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed, streaming, tiling
+from ..capture import Captures
 from ..head import Head, VocabShard, make_head
 from ..kernels import Kernels
 from ..streaming import RowGradients
@@ -24,6 +25,17 @@ class Engine:
     kernels: Kernels
     tiles: Tiles
     shard: VocabShard
+    captures: Captures | None = None  # calls captured as CUDA graph replays (`capture.Captures`), or not
+
+    @property
+    def slot_bucket(self) -> int:
+        """Captured calls round their slots up to a multiple of this (a bounded number of graphs serves a run)."""
+        return CAPTURE_SLOT_BUCKET if self.captures is not None else 0
+
+
+# A quarter of the GPU's speed tile: at most 511 padding slots (under 7% of an 8192-token batch), and a batch of
+# up to 16k tokens needs at most 32 slot counts.
+CAPTURE_SLOT_BUCKET = 512
 
 
 class Wanted(NamedTuple):

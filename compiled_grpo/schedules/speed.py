@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import streaming, tiling
+from .. import capture, streaming, tiling
 from ..batch_objective import Objective
 from ..head import Head
 from ..streaming import RowGradients
@@ -65,10 +65,11 @@ def plan(engine: Engine, objective: Objective, head: Head, lean: bool = False) -
         if gradient is None:
             return None
     else:
-        gradient = tiling.plan_tokens(active, mask.numel(), tile, t.tail_tile)
+        gradient = tiling.plan_tokens(active, mask.numel(), tile, t.tail_tile, engine.slot_bucket)
     statistics_only = None
     if zero_positions:
-        statistics_only = tiling.plan_tokens(zero_positions[0], mask.numel(), t.stats_rows, t.tail_tile)
+        statistics_only = tiling.plan_tokens(zero_positions[0], mask.numel(), t.stats_rows, t.tail_tile,
+                                             engine.slot_bucket)  # fmt: skip
     return SpeedPlan(gradient, statistics_only, buffered, group)
 
 
@@ -137,28 +138,70 @@ def tile_gradients(objective: Objective, flat: FlatStatistics, norms, plan: Tile
 
 def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     inputs = objective.inputs
+    hidden = inputs.hidden
+    if not differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
+        return statistics_run(engine, objective, head, plan)
+    wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
+    call = GradientCall(wanted, hidden.requires_grad, passes.compiles_objective(engine, hidden))
+    if engine.captures is not None and capture.capturable(engine, objective):
+        loss, metrics, logp, entropy, grads = captured(engine, objective, head, plan, call)
+    else:
+        loss, metrics, logp, entropy, grads = gradient_work(engine, objective, head, plan, call)
+    loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, grads)
+    return loss, metrics, logp, entropy, None
+
+
+def statistics_run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
+    """The grad-mode tiles and kernel without gradients, so logp and entropy are bitwise the same."""
+    inputs = objective.inputs
+    ids = inputs.completion_ids
+    flat = statistics_only_tokens(engine, objective, head.detached(), plan)
+    slots = passes.gather_slots(inputs.hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
+    dest = flat.destinations(plan.gradient)
+    for s, n in plan.gradient.tiles:
+        logp, entropy, _, _ = engine.kernels.statistics_and_product(
+            slots.x[s : s + n], slots.targets[s : s + n], head.detached().rows(s, n)
+        )
+        flat.write(dest[s : s + n], logp, entropy)
+    logp, entropy = flat.view(ids.shape)
+    compiled = passes.compiles_objective(engine, inputs.hidden)
+    loss, metrics = objective.loss_and_metrics(logp, entropy, compiled=compiled)
+    return loss, metrics, logp, entropy, None
+
+
+def statistics_only_tokens(engine: Engine, objective: Objective, detached: Head, plan: SpeedPlan) -> FlatStatistics:
+    """The flat statistics, with those of the tokens whose gradient is known to be 0 filled in."""
+    inputs = objective.inputs
     hidden, ids = inputs.hidden, inputs.completion_ids
     flat = FlatStatistics(ids.numel(), streaming.stat_dtype(hidden), hidden.device)
-    wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
-    detached = head.detached()
     if plan.statistics_only is not None and plan.statistics_only.tiles:
         slots = passes.gather_slots(hidden.detach(), ids, plan.statistics_only, rows=inputs.hidden_rows)
         logp, entropy, _ = passes.statistics_pass(engine, slots.x, slots.targets, detached, slots.plan.tiles)
         flat.write(flat.destinations(plan.statistics_only), logp, entropy)
+    return flat
+
+
+@dataclass(frozen=True)
+class GradientCall:
+    """What a differentiable call computes besides its tensors: which lm_head gradients, whether dX, and whether
+    the objective runs as a torch.compile graph."""
+
+    wanted: Wanted
+    hidden_gradient: bool
+    compile_objective: bool
+
+
+def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, call: GradientCall):
+    """(loss, metrics, logp, entropy, (dX, dW, db)): every tile's statistics and gradients, then the loss. Device
+    work only (no host read), so that it can be captured (`captured`)."""
+    inputs = objective.inputs
+    hidden, ids = inputs.hidden, inputs.completion_ids
+    detached = head.detached()
+    flat = statistics_only_tokens(engine, objective, detached, plan)
     slots = passes.gather_slots(hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
     x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
     dest = flat.destinations(plan.gradient)
-    compile_objective = passes.compiles_objective(engine, hidden)
-    if not differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
-        for s, n in tiles:  # the grad-mode tiles and kernel, so logp and entropy are bitwise the same
-            logp, entropy, _, _ = engine.kernels.statistics_and_product(
-                x[s : s + n], targets[s : s + n], detached.rows(s, n)
-            )
-            flat.write(dest[s : s + n], logp, entropy)
-        logp, entropy = flat.view(ids.shape)
-        loss, metrics = objective.loss_and_metrics(logp, entropy, compiled=compile_objective)
-        return loss, metrics, logp, entropy, None
-    grads = TokenOuterGradients(x, detached, tiles, plan.group, plan.buffered, wanted)
+    grads = TokenOuterGradients(x, detached, tiles, plan.group, plan.buffered, call.wanted)
     norms = None
     for s, n in tiles:
         logp, entropy, lse, product = engine.kernels.statistics_and_product(
@@ -167,21 +210,37 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         flat.write(dest[s : s + n], logp, entropy)
         # made after the first GEMM is queued, so the GPU does not wait while the host launches their kernels
         norms = objective.normalizers() if norms is None else norms
-        g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, (s, n), compile_objective)
+        g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, (s, n), call.compile_objective)
         grads.add(engine.kernels, s, product, RowGradients(targets[s : s + n], lse, entropy, g_logp, g_entropy))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
     logp, entropy = flat.view(ids.shape)
-    loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms, compiled=compile_objective)
+    loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms, compiled=call.compile_objective)
     d_hidden = None
-    if hidden.requires_grad and plan.gradient.identity and not inputs.packed:
+    if call.hidden_gradient and plan.gradient.identity and not inputs.packed:
         d_hidden = dx.view(hidden.shape)
-    elif hidden.requires_grad:
+    elif call.hidden_gradient:
         d_hidden = scatter_rows(dx, plan.gradient, hidden, inputs.hidden_rows)
-    d_weight = dw.to(head.weight.dtype) if wanted.weight else None
-    d_bias = db.to(head.bias.dtype) if wanted.bias else None
-    loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, (d_hidden, d_weight, d_bias))
-    return loss, metrics, logp, entropy, None
+    d_weight = dw.to(head.weight.dtype) if call.wanted.weight else None
+    d_bias = db.to(head.bias.dtype) if call.wanted.bias else None
+    return loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias)
+
+
+def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, call: GradientCall):
+    """`gradient_work` as a CUDA graph replay (`capture.Captures`): the per-call tensors (the batch's per-token
+    inputs, hidden states, the plan's slots, the head's constants and the step's scalars) are the graph's
+    inputs; the lm_head weight and bias are read in place, their addresses part of the key."""
+    batch = capture.CallTensors.of(objective, head, plan)
+    key = (NAME, call, batch.key(), plan.gradient.tiles, plan.gradient.identity, plan.buffered, plan.group,
+           None if plan.statistics_only is None else (plan.statistics_only.tiles, plan.statistics_only.identity),
+           engine.tiles, engine.kernels.compiled)  # fmt: skip
+
+    def work(*tensors):
+        o, h, p = batch.rebuilt(tensors, objective, head, plan)
+        with torch.no_grad():
+            return gradient_work(engine, o, h, p, call)
+
+    return engine.captures.run(key, work, batch.tensors)
 
 
 def differentiable(hidden, head: Head) -> bool:

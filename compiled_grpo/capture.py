@@ -1,0 +1,189 @@
+"""Captured calls: the work of a schedule call after its plan, issued as one CUDA graph replay.
+
+At small hidden sizes a call's GPU work is short and its tile loop issues hundreds of kernels, so the host's
+launch rate, not the GPU, sets its time. After planning (the one wait on the GPU), a call's work reads only
+tensors whose shapes the plan fixes, with no host read; so it can be recorded once as a CUDA graph and replayed.
+
+`Captures.run(key, work, tensors)`: `key` holds everything the graph bakes in besides the tensors' values (shapes,
+dtypes, settings, the tile plan's structure, the address of tensors used in place, such as the lm_head weight).
+The first call of a key runs `work` uncaptured (it compiles and warms the kernels); the second captures it;
+later calls copy their tensors into the graph's static inputs and replay. Outputs are copied out of the
+graph's static buffers, so a result stays valid across later calls. A capture that fails (work that reads the
+host, say) is said once, and that key then runs uncaptured. Graphs share one memory pool (they never run at the
+same time); at most `limit` graphs are kept, the least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class CaptureNotice(UserWarning):
+    """A call could not be captured as a CUDA graph and ran uncaptured (said once per reason)."""
+
+
+@dataclass
+class Graph:
+    graph: object  # torch.cuda.CUDAGraph, or None after a failed capture
+    inputs: list  # the static input tensors the graph reads
+    outputs: object  # the pytree of static outputs it writes
+
+
+class Captures:
+    any_device = False  # True in a stand-in that captures nothing (tests on a CPU)
+
+    def __init__(self, limit: int = 16):
+        self.limit = limit
+        self.graphs: OrderedDict = OrderedDict()
+        self.seen: set = set()
+        self.pool = None
+        self.said: set = set()
+        self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
+
+    def run(self, key, work, tensors: list):
+        """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
+        entry = self.graphs.get(key)
+        if entry is None and key not in self.seen:
+            self.seen.add(key)
+            return work(*tensors)
+        if entry is None:
+            entry = self._capture(key, work, tensors)
+        if entry.graph is None:
+            return work(*tensors)
+        self.graphs.move_to_end(key)
+        for static, given in zip(entry.inputs, tensors, strict=True):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        entry.graph.replay()
+        self.replays += 1
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.outputs)
+
+    def _capture(self, key, work, tensors) -> Graph:
+        static = [t.clone() for t in tensors]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = work(*static)
+        except Exception as error:  # noqa: BLE001 - any failure: run this key uncaptured, say why once
+            torch.cuda.synchronize()
+            return self._failed(key, error)
+        self.pool = graph.pool() if self.pool is None else self.pool
+        return self._keep(key, Graph(graph, static, outputs))
+
+    def _failed(self, key, error) -> Graph:
+        self.say(f"a call could not be captured as a CUDA graph ({type(error).__name__}: {error}); calls like it "
+                 f"run uncaptured")  # fmt: skip
+        return self._keep(key, Graph(None, [], None))
+
+    def _keep(self, key, entry: Graph) -> Graph:
+        self.graphs[key] = entry
+        while len(self.graphs) > self.limit:
+            self.graphs.popitem(last=False)
+        return entry
+
+    def say(self, message: str) -> None:
+        if message not in self.said:
+            self.said.add(message)
+            warnings.warn(f"compiled_grpo: {message}", CaptureNotice, stacklevel=3)
+
+
+def signature(tensors: list) -> tuple:
+    """The shapes, dtypes and devices of `tensors`, for a key."""
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
+# the call's per-token inputs that a graph reads from its static buffers (the rest of `inputs.LossInputs` is the
+# lm_head, read in place, or the reference head, whose log-probs are streamed before the call's work)
+SWAPPED_INPUTS = ("hidden", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+                  "ref_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio", "hidden_rows")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CallTensors:
+    """The tensors one call's work reads, in a fixed order, and where each goes back when the work is rebuilt
+    from a graph's static copies of them."""
+
+    tensors: list
+    input_names: tuple  # SWAPPED_INPUTS present, in order
+    plan_fields: tuple  # (field of the plan, or None for the plan itself) of each TilePlan, in order
+    step_names: tuple  # Step fields passed as 0-d tensors
+    head_key: tuple
+
+    @classmethod
+    def of(cls, objective, head, plan) -> CallTensors:
+        inputs = objective.inputs
+        names = tuple(n for n in SWAPPED_INPUTS if getattr(inputs, n) is not None)
+        tensors = [getattr(inputs, n) for n in names]
+        fields = plan_tile_fields(plan)
+        for f in fields:
+            tensors += [tile_plan(plan, f).source, tile_plan(plan, f).valid]
+        tensors.append(head.values)
+        step = device_step(objective.step, objective.dtype, inputs.hidden.device)
+        scalars = ("entropy_coef", "num_items_in_batch")
+        step_names = tuple(n for n in scalars if isinstance(getattr(step, n), torch.Tensor))
+        tensors += [getattr(step, n) for n in step_names]
+        weight, bias = head.weight, head.bias
+        head_key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap,
+                    None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
+        return cls(tensors, names, fields, step_names, head_key)
+
+    def key(self) -> tuple:
+        return (self.input_names, self.plan_fields, self.step_names, self.head_key, signature(self.tensors))
+
+    def rebuilt(self, tensors, objective, head, plan):
+        """(objective, head, plan) of the call with `tensors` (static copies of `self.tensors`) in place."""
+        from .batch_objective import Objective
+
+        it = iter(tensors)
+        inputs = dataclasses.replace(objective.inputs, **{n: next(it) for n in self.input_names})
+        for f in self.plan_fields:
+            # the work reads the slots only: the plan's active positions (sized by the batch) stay out of it
+            rebuilt = dataclasses.replace(tile_plan(plan, f), source=next(it), valid=next(it), active=None,
+                                          slot_of_active=None)  # fmt: skip
+            plan = rebuilt if f is None else dataclasses.replace(plan, **{f: rebuilt})
+        head = head._replace(values=next(it))
+        step = dataclasses.replace(objective.step, **{n: next(it) for n in self.step_names})
+        return Objective(objective.cfg, inputs, step, objective.group), head, plan
+
+
+def plan_tile_fields(plan) -> tuple:
+    """The TilePlans of a schedule's plan: the plan itself (None), or its fields that hold one."""
+    from .tiling import TilePlan
+
+    if isinstance(plan, TilePlan):
+        return (None,)
+    return tuple(f.name for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), TilePlan))
+
+
+def tile_plan(plan, field):
+    return plan if field is None else getattr(plan, field)
+
+
+def device_step(step, dtype, device):
+    """The step with its per-call numbers as 0-d tensors made on the device (a fill, not a copy that waits): a
+    graph would otherwise bake them in (TRL's num_items_in_batch changes every step)."""
+    fill = lambda v: torch.full((), float(v), dtype=dtype, device=device)
+    changes = {}
+    if step.bonus_on and not isinstance(step.entropy_coef, torch.Tensor):
+        changes["entropy_coef"] = fill(step.entropy_coef)
+    if step.num_items_in_batch is not None and not isinstance(step.num_items_in_batch, torch.Tensor):
+        changes["num_items_in_batch"] = fill(step.num_items_in_batch)
+    return dataclasses.replace(step, **changes)
+
+
+def capturable(engine, objective) -> bool:
+    """A call's work can be captured: on a GPU (or a stand-in's device in tests), in one process, with the whole
+    vocabulary here."""
+    from . import distributed
+
+    device = objective.inputs.hidden.device
+    return (device.type == "cuda" or engine.captures.any_device) and not engine.shard.parallel and not (
+        distributed.active(objective.group)
+    )

@@ -1,0 +1,143 @@
+"""Captured calls, as far as a CPU can check them: a stand-in for the CUDA graph that replays the captured work
+on its static inputs, so that what a graph would read (the static copies of the call's tensors, rebuilt into
+the objective, head and plan) and what it returns (copies out of its static outputs) are checked against the
+uncaptured call and the float64 reference. The graph itself runs in tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import TILES, assert_matches, make_inputs, run_reference
+
+from compiled_grpo import FusedLinearGRPOLoss, capture
+from compiled_grpo.schedules import passes
+
+
+class ReplayOnTheStaticInputs(capture.Captures):
+    """Captures whose 'graph' re-runs the work on the static inputs and writes the static outputs in place."""
+
+    any_device = True
+
+    def _capture(self, key, work, tensors):
+        static = [t.clone() for t in tensors]
+        outputs = work(*static)
+
+        class Graph:
+            @staticmethod
+            def replay():
+                fresh = work(*static)
+                for out, new in zip(pytree_leaves(outputs), pytree_leaves(fresh), strict=True):
+                    out.copy_(new)
+
+        return self._keep(key, capture.Graph(Graph, static, outputs))
+
+
+POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
+
+
+class Model:
+    """One lm_head across calls, as in training (a graph reads the weight in place); fresh hidden states."""
+
+    def __init__(self, x):
+        self.weight = x["weight"].clone().requires_grad_()
+        self.bias = x["bias"].clone().requires_grad_() if "bias" in x else None
+
+    def call(self, loss_fn, x, **extra):
+        with torch.no_grad():
+            self.weight.copy_(x["weight"])
+            if self.bias is not None:
+                self.bias.copy_(x["bias"])
+        self.weight.grad = None
+        if self.bias is not None:
+            self.bias.grad = None
+        hidden = x["hidden"].clone().requires_grad_()
+        rest = {k: v for k, v in x.items() if k not in (*POSITIONAL, "bias")}
+        out = loss_fn(hidden, self.weight, x["completion_ids"], x["completion_mask"], x["advantages"], bias=self.bias,
+                      **rest, **extra)  # fmt: skip
+        out.loss.backward()
+        grads = {"hidden": hidden.grad, "weight": self.weight.grad.clone()}
+        if self.bias is not None:
+            grads["bias"] = self.bias.grad.clone()
+        return out, grads
+
+
+def pytree_leaves(tree):
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+SETTINGS = [
+    {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 1.5},
+    {"loss_type": "vespo"},
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s["loss_type"])
+def test_replays_match_the_reference_across_batches(settings, monkeypatch):
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=True, **TILES, **settings)
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    inputs = {"bias": True, "ref": True, "is_shape": "BT", "sampling": True, "zero_advantage_rows": 1}
+    # the same shape four times with new values (run, capture, replay, replay), then a new shape
+    model = Model(make_inputs(seed=30, **inputs))
+    for seed, (B, T) in enumerate([(3, 37)] * 4 + [(4, 29)]):
+        x = make_inputs(seed=30 + seed, B=B, T=T, dtype=torch.float64, **inputs)
+        if seed < 4:  # the same mask: the same plan, new values
+            x["completion_mask"] = make_inputs(seed=30, B=B, T=T, **inputs)["completion_mask"]
+        out, grads = model.call(loss_fn, x, num_items_in_batch=50 + seed)
+        ref, ref_grads = run_reference(x, settings, num_items_in_batch=50 + seed)
+        assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+    assert loss_fn.captures.replays >= 2
+
+
+def test_replays_equal_the_uncaptured_call_with_the_same_plan(monkeypatch):
+    """Bitwise: the captured work is the uncaptured call's, on the same bucketed plan."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    settings = {"loss_type": "dapo", "entropy_coef": 0.01}
+    captured = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=True, **TILES, **settings)
+    captured.captures = ReplayOnTheStaticInputs()
+    plain = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=True, **TILES, **settings)
+    plain.captures = ReplayOnTheStaticInputs(limit=0)  # buckets like the captured one, never replays
+    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    model = Model(make_inputs(seed=40, dtype=torch.float32, bias=True))
+    mask = make_inputs(seed=40)["completion_mask"]
+    for seed in range(3):
+        x = {**make_inputs(seed=40 + seed, dtype=torch.float32, bias=True), "completion_mask": mask}
+        a, a_grads = model.call(captured, x)
+        b, b_grads = model.call(plain, x)
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.per_token_logps, b.per_token_logps)
+        for k in a_grads:
+            assert torch.equal(a_grads[k], b_grads[k]), k
+    assert captured.captures.replays == 2  # calls 2 and 3 (the first runs uncaptured)
+
+
+def test_a_result_stays_valid_after_later_calls(monkeypatch):
+    """Outputs are copies: two losses made before either backward get their own gradients."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=True, **TILES)
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    mask = make_inputs(seed=50)["completion_mask"]
+    xs = [{**make_inputs(seed=50 + i, dtype=torch.float64), "completion_mask": mask} for i in range(4)]
+    model = Model(xs[0])
+    model.call(loss_fn, xs[0]), model.call(loss_fn, xs[1])  # run, then capture
+    hiddens = [x["hidden"].clone().requires_grad_() for x in xs[2:]]
+    old = [x["old_per_token_logps"] for x in xs[2:]]
+    outs = [loss_fn(h, model.weight, x["completion_ids"], mask, x["advantages"], old_per_token_logps=o)
+            for x, h, o in zip(xs[2:], hiddens, old, strict=True)]  # fmt: skip
+    (outs[0].loss + outs[1].loss).backward()
+    assert loss_fn.captures.replays >= 2
+    for x, h in zip(xs[2:], hiddens, strict=True):
+        ref, ref_grads = run_reference({**x, "weight": xs[1]["weight"]}, {})
+        torch.testing.assert_close(h.grad, ref_grads["hidden"], rtol=1e-9, atol=1e-12)
+
+
+def test_a_failed_capture_is_said_once_and_runs_uncaptured():
+    captures = capture.Captures()
+    captures._capture = lambda key, work, tensors: captures._failed(key, RuntimeError("a host read"))
+    t = torch.ones(3)
+    with pytest.warns(capture.CaptureNotice, match="a host read"):
+        for _ in range(3):
+            assert torch.equal(captures.run("k", lambda a: a * 2, [t]), t * 2)
+    assert captures.replays == 0
