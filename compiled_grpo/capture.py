@@ -102,7 +102,8 @@ def signature(tensors: list) -> tuple:
 # the call's per-token inputs that a graph reads from its static buffers (the rest of `inputs.LossInputs` is the
 # lm_head, read in place, or the reference head, whose log-probs are streamed before the call's work)
 SWAPPED_INPUTS = ("hidden", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
-                  "ref_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio", "hidden_rows")  # fmt: skip
+                  "ref_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio",
+                  "hidden_rows")  # fmt: skip
 
 
 @dataclass(frozen=True)
