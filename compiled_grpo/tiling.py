@@ -150,7 +150,7 @@ def to_slots(flat: torch.Tensor, plan: TilePlan, fill=0) -> torch.Tensor:
     if fill is None:
         return out
     shape = (-1,) + (1,) * (out.dim() - 1)
-    return torch.where(plan.valid.view(shape), out, torch.as_tensor(fill, dtype=out.dtype, device=out.device))
+    return torch.where(plan.valid.view(shape), out, fill)  # a scalar: no host-to-device copy (captured calls)
 
 
 def from_slots(values: torch.Tensor, plan: TilePlan, numel: int) -> torch.Tensor:
