@@ -188,3 +188,48 @@ def capturable(engine, objective) -> bool:
     return (device.type == "cuda" or engine.captures.any_device) and not engine.shard.parallel and not (
         distributed.active(objective.group)
     )
+
+
+# Completion lengths are rounded up to a multiple of this in a captured call, so that the batches of a run (whose
+# length is their longest completion) share a few graphs: a call of length T runs as one of length ceil(T/128)*128
+# whose extra positions are masked, and its per-position outputs are cut back to T.
+LENGTH_BUCKET = 128
+
+
+def padded_length(T: int) -> int:
+    return -(-T // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def pad_call(objective, plan, length: int):
+    """(objective, plan) of the same call laid out with `length` >= T positions per row: the [B, T] inputs and
+    hidden [B, T, H] padded (masked positions, whose values the loss ignores; an IS ratio of 1), and each tile
+    plan's slots pointing at the same tokens in the wider layout. A padded call's loss is the call's (masked
+    positions do not reach it); its per-position outputs are cut back with `unpad`."""
+    from .batch_objective import Objective
+
+    inputs = objective.inputs
+    B, T = inputs.completion_mask.shape
+    if length == T:
+        return objective, plan
+    widen = lambda t, value=0.0: torch.nn.functional.pad(t, (0, length - T), value=value)
+    changes = {name: widen(getattr(inputs, name)) for name in ("completion_ids", "completion_mask", *PER_TOKEN_BT)
+               if getattr(inputs, name) is not None}  # fmt: skip
+    if inputs.advantages.dim() == 2:
+        changes["advantages"] = widen(inputs.advantages)
+    ratio = inputs.importance_sampling_ratio
+    if ratio is not None and ratio.dim() == 2 and ratio.shape[1] == T:
+        changes["importance_sampling_ratio"] = widen(ratio, 1.0)
+    changes["hidden"] = torch.nn.functional.pad(inputs.hidden, (0, 0, 0, length - T))
+    inputs = dataclasses.replace(inputs, **changes)
+    moved = lambda p: dataclasses.replace(p, source=p.source // T * length + p.source % T, identity=False)
+    for f in plan_tile_fields(plan):
+        plan = moved(plan) if f is None else dataclasses.replace(plan, **{f: moved(tile_plan(plan, f))})
+    return Objective(objective.cfg, inputs, objective.step, objective.group), plan
+
+
+PER_TOKEN_BT = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+
+
+def unpad(t, T: int):
+    """A padded call's [B, length, ...] output cut back to [B, T, ...]."""
+    return t if t.shape[1] == T else t[:, :T]

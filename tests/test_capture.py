@@ -141,3 +141,21 @@ def test_a_failed_capture_is_said_once_and_runs_uncaptured():
         for _ in range(3):
             assert torch.equal(captures.run("k", lambda a: a * 2, [t]), t * 2)
     assert captures.replays == 0
+
+
+def test_completion_lengths_share_a_graph(monkeypatch):
+    """Lengths 37, 45 and 60 run as length 128 (and active counts as one slot bucket): one graph, replayed; the
+    per-position outputs and dX come back at each call's own length."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 256)
+    settings = {"loss_type": "grpo", "entropy_coef": 0.01, "delta": 1.5}
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=True, **TILES, **settings)
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    inputs = {"bias": True, "adv_shape": "BT", "is_shape": "BT", "sampling": True}
+    model = Model(make_inputs(seed=60, **inputs))
+    for seed, T in enumerate((37, 45, 60, 37)):
+        x = make_inputs(seed=60 + seed, T=T, **inputs)
+        out, grads = model.call(loss_fn, x)
+        ref, ref_grads = run_reference(x, settings)
+        assert out.per_token_logps.shape == (3, T) and grads["hidden"].shape == x["hidden"].shape
+        assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+    assert len(loss_fn.captures.graphs) == 1 and loss_fn.captures.replays == 3

@@ -230,6 +230,10 @@ def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, 
     """`gradient_work` as a CUDA graph replay (`capture.Captures`): the per-call tensors (the batch's per-token
     inputs, hidden states, the plan's slots, the head's constants and the step's scalars) are the graph's
     inputs; the lm_head weight and bias are read in place, their addresses part of the key."""
+    T = objective.inputs.completion_mask.shape[1]
+    padded = not objective.inputs.packed
+    if padded:  # a few completion lengths serve a run (`capture.LENGTH_BUCKET`)
+        objective, plan = capture.pad_call(objective, plan, capture.padded_length(T))
     batch = capture.CallTensors.of(objective, head, plan)
     key = (NAME, call, batch.key(), plan.gradient.tiles, plan.gradient.identity, plan.buffered, plan.group,
            None if plan.statistics_only is None else (plan.statistics_only.tiles, plan.statistics_only.identity),
@@ -240,7 +244,10 @@ def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, 
         with torch.no_grad():
             return gradient_work(engine, o, h, p, call)
 
-    return engine.captures.run(key, work, batch.tensors)
+    loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias) = engine.captures.run(key, work, batch.tensors)
+    if padded:
+        logp, entropy, d_hidden = (capture.unpad(t, T) if t is not None else None for t in (logp, entropy, d_hidden))
+    return loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias)
 
 
 def differentiable(hidden, head: Head) -> bool:
