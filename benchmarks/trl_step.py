@@ -52,6 +52,11 @@ TRAINERS = {  # name: (trainer, its options)
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
     "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
+    # captured calls: under the trainer's budget, auto takes speed with small tiles (256 at 0.5B, 512 at 1.5B)
+    "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
+    # the same small speed tiles, uncaptured
+    "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
+    "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,memory,roomy"
 LABELS = {
@@ -60,6 +65,9 @@ LABELS = {
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
     "memory16k": "CompiledGRPOTrainer memory, 16384-entry vocabulary tiles",
+    "captured": "CompiledGRPOTrainer auto, captured calls",
+    "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
+    "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
@@ -107,13 +115,17 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset) -> dict:
     warm-ups.
     The steps take turns, one each per round in a rotating order, so that drift of the host's speed (the small
     models' steps are bound by it) reaches every method alike."""
-    names, failed = [], {}
+    names, failed, held = [], {}, {}
     for name, step in steps.items():
         try:
+            before = torch.cuda.memory_allocated() if on_gpu else 0
             for _ in range(2):
                 step()
                 reset()
             names.append(name)
+            # what a method keeps between steps (a captured call's graphs and their memory pool), which the peak
+            # above the memory in use before a step does not show
+            held[name] = (torch.cuda.memory_allocated() - before) / 2**30 if on_gpu else None
         except torch.OutOfMemoryError:
             failed[name] = "out of memory"
             reset()
@@ -131,7 +143,8 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset) -> dict:
             times[name].append((time.perf_counter() - start) * 1e3)
             reset()
     gc.unfreeze()
-    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset)) for name in names}
+    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset), held[name])
+                for name in names}  # fmt: skip
     return {**measured, **failed}
 
 
@@ -218,7 +231,7 @@ def sweep(args) -> None:
                 if isinstance(measured, str):
                     row["status"] = measured
                 else:
-                    row["ms"], row["peak_gib"] = measured
+                    row["ms"], row["peak_gib"], row["held_gib"] = measured
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))

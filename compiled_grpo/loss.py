@@ -174,7 +174,7 @@ class FusedLinearGRPOLoss:
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
         tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
-        engine = passes.Engine(self.kernels, tiles, shard, self.captures)
+        engine = passes.Engine(self.kernels, tiles, shard, self._captures_for(inputs.hidden))
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config)
         objective = Objective(self.config, inputs, step, self.process_group)
@@ -186,6 +186,11 @@ class FusedLinearGRPOLoss:
             rows = lambda: validation.active_hidden_rows(inputs.hidden, active, inputs.hidden_rows)
             validation.check_statistics(active, out.per_token_logps, out.entropy, rows, inputs.weight, inputs.bias)
         return out
+
+    def _captures_for(self, hidden):
+        """The loss's captured calls where they apply (a GPU); elsewhere calls run as without `capture`."""
+        captures = self.captures
+        return captures if captures is not None and (hidden.is_cuda or captures.any_device) else None
 
     def _checked(self, inputs: LossInputs) -> LossInputs:
         """Shapes and dtypes always, values unless validate=False; DTensor weights gathered."""

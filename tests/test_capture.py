@@ -179,3 +179,39 @@ def test_auto_takes_small_speed_tiles_under_a_tight_budget_when_capturing(monkey
         out, grads = Model(x).call(loss_fn, x)
         assert out.schedule == expected
         assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+
+
+class NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on what a CUDA graph cannot capture: a read of a value back to the host, or a tensor made from host
+    data (a host-to-device copy on a GPU)."""
+
+    FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten.lift_fresh", "aten.masked_select", "aten.unique")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        assert not name.startswith(self.FORBIDDEN), f"{name} inside a captured call"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("settings", [*SETTINGS, {"loss_type": "sapo", "off_policy_mask_threshold": 0.5}],
+                         ids=lambda s: s["loss_type"])  # fmt: skip
+def test_the_captured_work_reads_nothing_back(settings, monkeypatch):
+    """What the graph records (the eager tile functions standing in for the compiled ones) never reads the device
+    back nor copies from the host."""
+    from compiled_grpo.schedules import speed
+
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=True, **TILES, **settings)
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    work = speed.gradient_work
+
+    def checked(*args, **kwargs):
+        with NoHostReads():
+            return work(*args, **kwargs)
+
+    monkeypatch.setattr(speed, "gradient_work", checked)
+    x = make_inputs(seed=80, bias=True, ref=True, is_shape="BT", sampling=True, zero_advantage_rows=1)
+    model = Model(x)
+    for _ in range(3):
+        model.call(loss_fn, x, num_items_in_batch=77)
+    assert loss_fn.captures.replays == 2
