@@ -224,10 +224,14 @@ def sweep(args) -> None:
             inputs = micro_batch(vocab, device, size, zero_half, C=completion)
             shape = f"{args.model} {kind} x{size}"
             steps = {BOUND: bound_step(model, inputs)}
-            for name in args.trainers.split(","):
-                steps[name] = trainer_step(make_trainer(name, model, size, q, on_gpu, completion), inputs)
+            names = args.trainers.split(",")
+            trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
+            steps.update({name: trainer_step(t, inputs) for name, t in trainers.items()})
             for method, measured in timed(steps, args.repeats, on_gpu, reset).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
+                captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
+                if captures is not None:  # how many calls ran as graph replays
+                    row["replays"] = captures.replays
                 if isinstance(measured, str):
                     row["status"] = measured
                 else:
@@ -235,7 +239,7 @@ def sweep(args) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
-            del steps
+            del steps, trainers
             if on_gpu:
                 torch.cuda.empty_cache()
 

@@ -219,7 +219,7 @@ def pad_call(objective, plan, length: int):
     ratio = inputs.importance_sampling_ratio
     if ratio is not None and ratio.dim() == 2 and ratio.shape[1] == T:
         changes["importance_sampling_ratio"] = widen(ratio, 1.0)
-    changes["hidden"] = torch.nn.functional.pad(inputs.hidden, (0, 0, 0, length - T))
+    changes["hidden"] = torch.nn.functional.pad(inputs.hidden.detach(), (0, 0, 0, length - T))
     inputs = dataclasses.replace(inputs, **changes)
     moved = lambda p: dataclasses.replace(p, source=p.source // T * length + p.source % T, identity=False)
     for f in plan_tile_fields(plan):
