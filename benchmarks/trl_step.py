@@ -54,6 +54,7 @@ TRAINERS = {  # name: (trainer, its options)
     "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
     # captured calls: under the trainer's budget, auto takes speed with small tiles (256 at 0.5B, 512 at 1.5B)
     "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
+    "captured-unvalidated": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "validate": False}}),
     # the same small speed tiles, uncaptured
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
@@ -66,6 +67,7 @@ LABELS = {
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
     "memory16k": "CompiledGRPOTrainer memory, 16384-entry vocabulary tiles",
     "captured": "CompiledGRPOTrainer auto, captured calls",
+    "captured-unvalidated": "CompiledGRPOTrainer auto, captured calls, validate=False",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
 }
