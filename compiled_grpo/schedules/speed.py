@@ -159,11 +159,12 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         return statistics_run(engine, objective, head, plan)
     wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
     call = GradientCall(wanted, hidden.requires_grad, passes.compiles_objective(engine, hidden))
-    if engine.captures is not None and capture.capturable(engine, objective):
+    is_captured = engine.captures is not None and capture.capturable(engine, objective)
+    if is_captured:
         loss, metrics, logp, entropy, grads = captured(engine, objective, head, plan, call)
     else:
         loss, metrics, logp, entropy, grads = gradient_work(engine, objective, head, plan, call)
-    loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, grads)
+    loss = PrecomputedGradients.apply(loss, hidden, head.weight, head.bias, grads, is_captured)
     return loss, metrics, logp, entropy, None
 
 
@@ -287,15 +288,18 @@ class PrecomputedGradients(torch.autograd.Function):
     """A loss whose gradients w.r.t. hidden, weight and bias were computed in the forward."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
+    def forward(ctx, loss, hidden, weight, bias, grads, without_wait=False):
         # saved, not kept on ctx: autograd frees them after a backward (unless retain_graph), so a kept loss does
         # not hold dW, and a second backward with retain_graph=True finds them again
         ctx.save_for_backward(*grads)
+        ctx.without_wait = without_wait
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, g):
         grads = ctx.saved_tensors
-        if not torch.equal(g, torch.ones_like(g)):  # the usual loss.backward() needs no pass over [V, H]
+        # The usual loss.backward() (g = 1) needs no pass over [V, H], but finding out waits for the GPU. A captured
+        # call's host is ahead of its GPU, and that wait would throw the lead away: it always scales (exact at 1).
+        if ctx.without_wait or not torch.equal(g, torch.ones_like(g)):
             grads = tuple(None if t is None else (t * g).to(t.dtype) for t in grads)
-        return (None, *grads, None)
+        return (None, *grads, None, None)
