@@ -215,3 +215,16 @@ def test_the_captured_work_reads_nothing_back(settings, monkeypatch):
     for _ in range(3):
         model.call(loss_fn, x, num_items_in_batch=77)
     assert loss_fn.captures.replays == 2
+
+
+def test_capture_on_a_cpu_runs_as_without_it():
+    """capture=True applies to CUDA tensors only: on a CPU the call, its plan and its bits are capture=False's."""
+    x = make_inputs(seed=90, dtype=torch.float32, bias=True)
+    outs = []
+    for capture_on in (True, False):
+        loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="speed", capture=capture_on, **TILES)
+        outs.append(Model(x).call(loss_fn, x))
+        if capture_on:
+            assert loss_fn.captures.replays == 0 and not loss_fn.captures.seen
+    (a, a_grads), (b, b_grads) = outs
+    assert torch.equal(a.loss, b.loss) and all(torch.equal(a_grads[k], b_grads[k]) for k in b_grads)

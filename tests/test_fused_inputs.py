@@ -314,6 +314,7 @@ OPTION_VALUES = {
     "logits_budget_bytes": 1 << 20,
     "process_group": ONE_PROCESS_GROUP,
     "vocab_parallel_group": ONE_PROCESS_GROUP,
+    "capture": True,  # on a CPU, calls run as without it
 }
 
 
