@@ -52,10 +52,10 @@ TRAINERS = {  # name: (trainer, its options)
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
     "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
-    # captured calls: under the trainer's budget, auto takes speed with small tiles (256 at 0.5B, 512 at 1.5B)
+    # auto with captured calls (the speed schedule's calls are captured; where auto picks another, nothing is)
     "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
     "captured-unvalidated": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "validate": False}}),
-    # the same small speed tiles, uncaptured
+    # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
 }

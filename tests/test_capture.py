@@ -161,26 +161,6 @@ def test_completion_lengths_share_a_graph(monkeypatch):
     assert len(loss_fn.captures.graphs) == 1 and loss_fn.captures.replays == 3
 
 
-def test_auto_takes_small_speed_tiles_under_a_tight_budget_when_capturing(monkeypatch):
-    """Where lean speed tiles do not fit the budget, a captured loss takes speed with smaller tiles (6NHV) instead
-    of the memory schedule (8NHV); uncaptured, it keeps memory. Both equal the reference."""
-    from compiled_grpo.schedules import speed
-
-    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
-    monkeypatch.setattr(speed, "SMALL_TILES", (32, 16))
-    x = make_inputs(seed=70, dtype=torch.float64, bias=True)
-    V, H = x["weight"].shape
-    budget = 6 * 32 * V + 4 * V * H  # a 32-token lean tile fits, the 64-token one does not
-    ref, ref_grads = run_reference(x, {})
-    for capture_on, expected in ((True, "speed"), (False, "memory")):
-        loss_fn = FusedLinearGRPOLoss(compiled=False, capture=capture_on, logits_budget_bytes=budget, **TILES)
-        if capture_on:
-            loss_fn.captures = ReplayOnTheStaticInputs()
-        out, grads = Model(x).call(loss_fn, x)
-        assert out.schedule == expected
-        assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
-
-
 class NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Fails on what a CUDA graph cannot capture: a read of a value back to the host, or a tensor made from host
     data (a host-to-device copy on a GPU)."""

@@ -25,8 +25,7 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
       masked-in tokens, and those the KL term or the bonus reach, need the gradient pass), or memory where
       sparse's workspace exceeds `budget` bytes;
     - otherwise speed (6NHV, and 2NHV only for tokens at advantage 0 without KL or bonus), with smaller tiles
-      and one dW GEMM per tile where its usual workspace exceeds `budget` bytes (with captured calls, down to
-      `speed.SMALL_TILES` tokens); where that exceeds it too, or
+      and one dW GEMM per tile where its usual workspace exceeds `budget` bytes; where that exceeds it too, or
       a row that must stay whole does not fit a speed tile: sparse where some token's gradient is known to be 0
       (advantage 0 without KL or bonus: 2NHV + 6nHV for the n others), else memory (8NHV).
     An explicit schedule runs as asked (speed raises where a row that must stay whole does not fit)."""
@@ -40,12 +39,10 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
         return memory, plan  # the same token plan
     lean = requested == "auto" and speed.workspace_bound(engine, head) > budget
     if lean and speed.workspace_bound(engine, head, lean=True) > budget:
-        # captured calls issue many small tiles as cheaply as a few large ones: speed (6NHV) with the largest
-        # small tile that fits, rather than memory's 8NHV
-        small = speed.small_tile_engine(engine, head, budget) if engine.captures is not None else None
-        if small is None:
-            return without_speed(engine, objective)  # decided before the plan's wait on the GPU
-        engine = small
+        # Smaller speed tiles would fit such budgets, but each adds a GEMM into the float32 [V, H] dW sum: in the
+        # TRL step at 0.5B (256-token tiles) they cost more GPU time than the memory schedule's recompute, captured
+        # or not (docs/performance.md, "Captured calls")
+        return without_speed(engine, objective)  # decided before the plan's wait on the GPU
     plan = speed.plan(engine, objective, head, lean)
     if plan is None and requested == "speed":
         raise ValueError(

@@ -14,7 +14,6 @@ bonus, `Objective.zero_gradient_tokens`) get their statistics only (2NHV instead
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -80,21 +79,6 @@ def tile_and_group(engine: Engine, head: Head, accumulates: bool, lean: bool) ->
     halved = lean or (accumulates and head.weight.shape[1] > SMALL_HIDDEN)
     tile = t.accumulating_speed_tile if halved else t.speed_tile
     return tile, tile if lean else t.speed_group
-
-
-# Tiles a captured call may take under a tight budget: each is a few kernels more per tile, which a graph replay
-# issues at no host cost (at H896 and V=151936, TRL's head's memory fits 256-token tiles).
-SMALL_TILES = (512, 256, 128)
-
-
-def small_tile_engine(engine: Engine, head: Head, budget: int) -> Engine | None:
-    """The engine with the largest of SMALL_TILES as its lean speed tile whose workspace fits `budget`, or None."""
-    for tile in SMALL_TILES:
-        if tile < engine.tiles.accumulating_speed_tile:
-            small = dataclasses.replace(engine, tiles=dataclasses.replace(engine.tiles, accumulating_speed_tile=tile))
-            if workspace_bound(small, head, lean=True) <= budget:
-                return small
-    return None
 
 
 def workspace_bound(engine: Engine, head: Head, lean: bool = False) -> int:
