@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from . import distributed, validation
+from .capture import Captures
 from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
 from .schedules import memory, sparse
@@ -67,21 +68,25 @@ def fused_linear_logprobs(
     validate: bool = True,
     vocab_parallel_group=None,
     vocab_start: int = 0,
+    capture: bool = False,
     **tiles: int,
 ) -> LogProbs:
     """(logp, entropy) of `targets` under the lm_head, float32, shaped like `targets` (see the module's docstring).
 
     hidden [..., H] (any leading shape: [B, T, H], packed [N, H]); weight [V, H] (this rank's rows of it with
     `vocab_parallel_group`, starting at vocabulary id `vocab_start`); targets [...] integer; bias [V] or None.
-    temperature: a positive float, or a tensor broadcastable to targets' shape (per sequence, per token).
+    temperature: a positive float, or a tensor that is 0-d or has targets' dimensions and broadcasts to them
+    (per sequence [B, 1], per token [B, T]).
     `entropy=False` returns None for it and its backward forms no entropy term. `compiled=False` runs the same
     tile functions eagerly. `validate=False` skips the checks that read values back to the host (ids in range,
-    finite temperatures, finite statistics). Tile sizes: token_tile, tail_tile, vocab_tile, stats_rows,
-    sparse_tile (`tiling.Tiles`, defaults by device). Under autocast the GEMMs run in the autocast dtype.
+    finite temperatures, finite statistics). `capture=True` (experimental, GPU): the statistics pass and the
+    backward's gradient pass as CUDA graph replays (`capture.Captures`, one set per process). Tile sizes:
+    token_tile, tail_tile, vocab_tile, stats_rows, sparse_tile (`tiling.Tiles`, defaults by device). Under
+    autocast the GEMMs run in the autocast dtype.
     """
     validation.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
-                      vocab_parallel_group, vocab_start, tiles)  # fmt: skip
+                      vocab_parallel_group, vocab_start, tiles, capture)  # fmt: skip
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
     function = memory.StatisticsThenRecompute if parallel else sparse.StatisticsThenSparseGradients
@@ -141,6 +146,10 @@ LOGPROBS_OPTIONS = _keywords(fused_linear_logprobs)
 EXTRA_OPTIONS = _keywords(fused_linear_extra_statistics)
 
 
+# The primitive's captured calls (`capture=True`): one set of graphs per process, as it has no object to keep them.
+PRIMITIVE_CAPTURES = Captures()
+
+
 class Call(NamedTuple):
     """A primitive call's inputs as the engine takes them."""
 
@@ -163,6 +172,7 @@ class Options(NamedTuple):
     vocab_parallel_group: object
     vocab_start: int
     tiles: dict
+    capture: bool = False
 
 
 def prepare(hidden, weight, targets, bias, o: Options) -> Call:
@@ -175,8 +185,9 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     if o.validate:
         check_values(flat_targets, valid, weight, group, o.temperature)
     tiles = Tiles.for_device(hidden.device, **o.tiles)
-    engine = Engine(kernels(o.compiled), tiles, VocabShard(group, o.vocab_start))
-    plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile)
+    captures = PRIMITIVE_CAPTURES if o.capture and (hidden.is_cuda or PRIMITIVE_CAPTURES.any_device) else None
+    engine = Engine(kernels(o.compiled), tiles, VocabShard(group, o.vocab_start), captures)
+    plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
     head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)
     head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape)
     if head.row_inv_temp is not None:

@@ -160,6 +160,6 @@ def from_slots(values: torch.Tensor, plan: TilePlan, numel: int) -> torch.Tensor
     return zeros.index_put((plan.active,), picked)
 
 
-def plan_mask(mask: torch.Tensor, tile: int, tail: int) -> TilePlan:
+def plan_mask(mask: torch.Tensor, tile: int, tail: int, bucket: int = 0) -> TilePlan:
     """`plan_tokens` over the non-zero entries of a mask."""
-    return plan_tokens(active_positions(mask), mask.numel(), tile, tail)
+    return plan_tokens(active_positions(mask), mask.numel(), tile, tail, bucket)

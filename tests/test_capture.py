@@ -13,19 +13,34 @@ from compiled_grpo import FusedLinearGRPOLoss, capture
 from compiled_grpo.schedules import passes
 
 
+class NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on what a CUDA graph cannot capture: a read of a value back to the host, or a tensor made from host
+    data (a host-to-device copy on a GPU)."""
+
+    FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten.lift_fresh", "aten.masked_select", "aten.unique")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        assert not name.startswith(self.FORBIDDEN), f"{name} inside a captured call"
+        return func(*args, **(kwargs or {}))
+
+
 class ReplayOnTheStaticInputs(capture.Captures):
-    """Captures whose 'graph' re-runs the work on the static inputs and writes the static outputs in place."""
+    """Captures whose 'graph' re-runs the work on the static inputs and writes the static outputs in place; what
+    it records must not read the device back nor copy from the host (`NoHostReads`)."""
 
     any_device = True
 
     def _capture(self, key, work, tensors):
         static = [t.clone() for t in tensors]
-        outputs = work(*static)
+        with NoHostReads():
+            outputs = work(*static)
 
         class Graph:
             @staticmethod
             def replay():
-                fresh = work(*static)
+                with NoHostReads():
+                    fresh = work(*static)
                 for out, new in zip(pytree_leaves(outputs), pytree_leaves(fresh), strict=True):
                     out.copy_(new)
 
@@ -161,18 +176,6 @@ def test_completion_lengths_share_a_graph(monkeypatch):
     assert len(loss_fn.captures.graphs) == 1 and loss_fn.captures.replays == 3
 
 
-class NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Fails on what a CUDA graph cannot capture: a read of a value back to the host, or a tensor made from host
-    data (a host-to-device copy on a GPU)."""
-
-    FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten.lift_fresh", "aten.masked_select", "aten.unique")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        assert not name.startswith(self.FORBIDDEN), f"{name} inside a captured call"
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("settings", [*SETTINGS, {"loss_type": "sapo", "off_policy_mask_threshold": 0.5}],
                          ids=lambda s: s["loss_type"])  # fmt: skip
 def test_the_captured_work_reads_nothing_back(settings, monkeypatch):
@@ -208,3 +211,69 @@ def test_capture_on_a_cpu_runs_as_without_it():
             assert loss_fn.captures.replays == 0 and not loss_fn.captures.seen
     (a, a_grads), (b, b_grads) = outs
     assert torch.equal(a.loss, b.loss) and all(torch.equal(a_grads[k], b_grads[k]) for k in b_grads)
+
+
+@pytest.mark.parametrize(
+    "schedule, settings",
+    [
+        ("memory", {"loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
+        ("memory", {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04}),
+        ("sparse", {"loss_type": "dapo", "top_entropy_quantile": 0.2}),
+        ("sparse", {"loss_type": "bnpo", "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_memory_and_sparse_passes_replayed(schedule, settings, dtype, monkeypatch):
+    """The statistics pass and the gradient pass (vocabulary-outer; token-outer over the selected rows) of the
+    memory and sparse schedules as replays: the reference's values in float64, and bitwise the uncaptured
+    call's in bf16 (same bucketed plan)."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    captured = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    captured.captures = ReplayOnTheStaticInputs()
+    plain = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    plain.captures = ReplayOnTheStaticInputs()
+    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    inputs = {"bias": True, "ref": True, "zero_advantage_rows": 1}
+    mask = make_inputs(seed=100, **inputs)["completion_mask"]
+    model = Model(make_inputs(seed=100, dtype=dtype, **inputs))
+    for seed in range(4):
+        x = {**make_inputs(seed=100 + seed, dtype=dtype, **inputs), "completion_mask": mask}
+        out, grads = model.call(captured, x)
+        if dtype == torch.float64:
+            ref, ref_grads = run_reference(x, settings)
+            assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+        else:
+            same, same_grads = model.call(plain, x)
+            assert torch.equal(out.loss, same.loss) and torch.equal(out.entropy, same.entropy)
+            assert all(torch.equal(grads[k], same_grads[k]) for k in grads)
+    # per call, the statistics pass and the gradient pass: from the third call on, both replay
+    assert captured.captures.replays >= 4
+
+
+def test_primitive_passes_replayed(monkeypatch):
+    """fused_linear_logprobs(capture=True): per-token temperature, zero-gradient rows, both passes replayed."""
+    import reference
+    from compiled_grpo import fused_linear_logprobs, logprobs
+
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    monkeypatch.setattr(logprobs, "PRIMITIVE_CAPTURES", ReplayOnTheStaticInputs())
+    g = torch.Generator().manual_seed(110)
+    B, T, H, V = 3, 37, 16, 1021
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[:, 30:] = -100
+    for _ in range(4):
+        hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64).requires_grad_()
+        temperature = torch.rand(B, 1, generator=g, dtype=torch.float64) + 0.5
+        g_logp = torch.randn(B, T, generator=g, dtype=torch.float64) * (torch.rand(B, T, generator=g) < 0.5)
+        weight.grad = None
+        out = fused_linear_logprobs(hidden, weight, targets, temperature=temperature, compiled=False, capture=True,
+                                    **{k: TILES[k] for k in ("token_tile", "tail_tile", "vocab_tile", "sparse_tile")})
+        ((out.logp * g_logp).sum() + out.entropy.sum() * 0.1).backward()
+        h, w = hidden.detach().requires_grad_(), weight.detach().clone().requires_grad_()
+        ref = reference.fused_linear_logprobs(h, w, targets, temperature=temperature)
+        ((ref.logp * g_logp).sum() + ref.entropy.sum() * 0.1).backward()
+        torch.testing.assert_close(out.logp, ref.logp, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(hidden.grad, h.grad, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(weight.grad, w.grad, rtol=1e-9, atol=1e-12)
+    assert logprobs.PRIMITIVE_CAPTURES.replays >= 4

@@ -27,7 +27,7 @@ NAME = "memory"
 
 
 def plan(engine: Engine, mask) -> TilePlan:
-    return tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)
+    return tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, setup: Recompute):
         head = setup.head(weight, bias)
-        logp, entropy, lse = passes.statistics_pass(setup.engine, x, setup.targets, head, setup.tiles)
+        logp, entropy, lse = passes.captured_statistics_pass(setup.engine, x, setup.targets, head, setup.tiles)
         ctx.save_for_backward(x, weight, bias, lse, entropy)
         ctx.setup = setup
         ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: no work for it
@@ -65,7 +65,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         rows = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        dx, dw, db = passes.vocab_outer_gradients(s.engine, x, rows, head, s.tiles, wanted)
+        dx, dw, db = passes.captured_vocab_outer_gradients(s.engine, x, rows, head, s.tiles, wanted)
         return dx, dw, db, None
 
 

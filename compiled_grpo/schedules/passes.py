@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed, streaming, tiling
-from ..capture import Captures
+from ..capture import Captures, signature
 from ..head import Head, VocabShard, make_head
 from ..kernels import Kernels
 from ..streaming import RowGradients
@@ -83,6 +83,52 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles):
         return empty, empty, empty
     outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
     return distributed.combine_vocab_shards(*outs, engine.shard.group) if engine.shard.parallel else outs
+
+
+def captured_pass(engine: Engine, key, work, tensors: tuple):
+    """`work(*tensors)` as a CUDA graph replay where the engine captures calls (`capture.Captures`: CUDA tensors,
+    the whole vocabulary on this rank), else as it is. `tensors`: everything the work reads besides the lm_head
+    weight and bias (read in place: `head_key` puts their addresses in the key), None where absent."""
+    captures, present = engine.captures, [t for t in tensors if t is not None]
+    if captures is None or engine.shard.parallel or not (present[0].is_cuda or captures.any_device):
+        return work(*tensors)
+    layout = tuple(t is None for t in tensors)
+
+    def on_static(*static):
+        it = iter(static)
+        return work(*(None if absent else next(it) for absent in layout))
+
+    full_key = (key, layout, signature(present), engine.tiles, engine.kernels.compiled)
+    with torch.no_grad():
+        return captures.run(full_key, on_static, present)
+
+
+def head_key(head: Head) -> tuple:
+    """What a graph bakes in of the lm_head: the weight's and bias's addresses, shapes and dtypes, the softcap."""
+    weight, bias = head.weight, head.bias
+    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, head.softcap,
+            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
+
+
+def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles):
+    """`statistics_pass`, captured where the engine captures calls."""
+
+    def work(x, targets, values, row_inv_temp):
+        return statistics_pass(engine, x, targets, head._replace(values=values, row_inv_temp=row_inv_temp), tiles)
+
+    key = ("statistics", tuple(tiles), head_key(head))
+    return captured_pass(engine, key, work, (x, targets, head.values, head.row_inv_temp))
+
+
+def captured_vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, tiles, wanted: Wanted):
+    """`vocab_outer_gradients`, captured where the engine captures calls."""
+
+    def work(x, values, row_inv_temp, *row_tensors):
+        h = head._replace(values=values, row_inv_temp=row_inv_temp)
+        return vocab_outer_gradients(engine, x, RowGradients(*row_tensors), h, tiles, wanted)
+
+    key = ("vocabulary-outer gradients", tuple(tiles), head_key(head), wanted)
+    return captured_pass(engine, key, work, (x, head.values, head.row_inv_temp, *rows))
 
 
 def statistics_pieces(engine: Engine, tiles) -> list[tuple[int, int]]:

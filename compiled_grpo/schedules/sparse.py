@@ -20,6 +20,8 @@ backward: the objective's gradients d loss / d logp and d loss / d entropy are k
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import distributed, streaming, tiling
@@ -95,11 +97,27 @@ def rows_with_gradient(g_logp, g_entropy):
 
 
 def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, per_slot: RowGradients):
-    """dX (of the selected rows, in their plan's slots), dW and db from the selected slots alone."""
+    """dX (of the selected rows, in their plan's slots), dW and db from the selected slots alone; the pass after
+    the plan is captured where the engine captures calls."""
     t = engine.tiles
     token_tiles = token_outer(engine, x, selected.numel())
     tile = t.sparse_tile if token_tiles else t.token_tile
-    rows_plan = tiling.plan_tokens(selected, x.shape[0], tile, t.tail_tile)
+    rows_plan = tiling.plan_tokens(selected, x.shape[0], tile, t.tail_tile, engine.slot_bucket)
+
+    def work(x, values, row_inv_temp, source, valid, *row_tensors):
+        plan = dataclasses.replace(rows_plan, source=source, valid=valid, active=None, slot_of_active=None)
+        h = head._replace(values=values, row_inv_temp=row_inv_temp)
+        return rows_gradients(engine, x, h, plan, wanted, RowGradients(*row_tensors), token_tiles)
+
+    key = ("gradients of rows", rows_plan.tiles, rows_plan.identity, token_tiles, passes.head_key(head), wanted)
+    tensors = (x, head.values, head.row_inv_temp, rows_plan.source, rows_plan.valid, *per_slot)
+    dx, dw, db = passes.captured_pass(engine, key, work, tensors)
+    return rows_plan, dx, dw, db
+
+
+def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: Wanted, per_slot: RowGradients,
+                   token_tiles: bool):  # fmt: skip
+    """dX, dW, db of the rows of `rows_plan` (slots of x), token-outer or vocabulary-outer."""
     # Padding slots read slot 0's row and statistics (finite probabilities) with zero upstream gradients, so
     # their logits gradient is exactly 0.
     same = lambda v: None if v is None else tiling.to_slots(v, rows_plan, fill=None)
@@ -108,8 +126,8 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
     rows = RowGradients(*map(same, per_slot[:3]), zero(per_slot.g_logp), zero(per_slot.g_entropy))
     head = head._replace(row_inv_temp=same(head.row_inv_temp))
     if not token_tiles:
-        dx, dw, db = passes.vocab_outer_gradients(engine, x_r, rows, head, rows_plan.tiles, wanted)
-        return rows_plan, dx, dw, db
+        return passes.vocab_outer_gradients(engine, x_r, rows, head, rows_plan.tiles, wanted)
+    t = engine.tiles
     buffered = x.dtype not in WIDE
     grads = TokenOuterGradients(x_r, head, rows_plan.tiles, t.sparse_tile, buffered, wanted)
     for s, n in rows_plan.tiles:
@@ -118,7 +136,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
     distributed.all_sum_(dx, engine.shard.group)
-    return rows_plan, dx, dw, None if db is None else db.to(head.bias.dtype)
+    return dx, dw, None if db is None else db.to(head.bias.dtype)
 
 
 def run(engine: Engine, objective, head: Head, plan: TilePlan):
