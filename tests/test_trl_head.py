@@ -66,6 +66,38 @@ def test_the_switch_restores_trls_head():
     assert trl_utils._ChunkedLogProbFunction is before
 
 
+def test_the_switch_with_captured_calls(monkeypatch):
+    """compiled_fused_head(capture=True): TRL's head on the primitive with its passes captured (here through the
+    CPU stand-in graph), equal to TRL's function; capture without compile is refused."""
+    import trl.trainer.utils as trl_utils
+    from test_capture import ReplayOnTheStaticInputs
+
+    from compiled_grpo import logprobs
+    from compiled_grpo.integrations.trl import CapturedFusedHeadFunction
+    from compiled_grpo.schedules import passes
+
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    monkeypatch.setattr(logprobs, "PRIMITIVE_CAPTURES", ReplayOnTheStaticInputs())
+    monkeypatch.setattr(CapturedFusedHeadFunction, "compiled", False)  # eager tiles: no compile on the CPU
+    with pytest.raises(ValueError, match="capture"), compiled_fused_head(compiled=False, capture=True):
+        pass
+    with compiled_fused_head(capture=True):
+        function = trl_utils._ChunkedLogProbFunction
+    assert function is CapturedFusedHeadFunction
+    hidden, weight, bias, targets, g = head_inputs()
+    g_logp = torch.randn(len(targets), generator=g)
+    for _ in range(3):
+        outs = []
+        for f in (ChunkedLogProbFunction, function):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = f.apply(h, w, None, targets, 0.8, 128, None, 1.0, ("entropy",))
+            (out[0] * g_logp).sum().backward()
+            outs.append((out[0], h.grad, w.grad))
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert logprobs.PRIMITIVE_CAPTURES.replays >= 2
+
+
 def one_step(make_trainer, ours: bool):
     """Parameters after one optimizer step and the logged loss; TRL's head, or ours via the switch."""
     trainer = make_trainer()

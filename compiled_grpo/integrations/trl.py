@@ -259,13 +259,15 @@ class FusedHeadFunction:
     the tiles are this library's."""
 
     compiled = True
+    capture = False  # the primitive's passes as CUDA graph replays (`fused_linear_logprobs(capture=True)`)
 
     @classmethod
     def apply(cls, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):  # fmt: skip
         head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale,
                 "final_logit_softcapping": final_logit_softcapping, "compiled": cls.compiled}  # fmt: skip
-        logp, entropy = fused_linear_logprobs(hidden, weight, targets, entropy="entropy" in outputs, **head)
+        logp, entropy = fused_linear_logprobs(hidden, weight, targets, entropy="entropy" in outputs,
+                                              capture=cls.capture, **head)  # fmt: skip
         extras = (None, None, None)
         wanted = [name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")]
         if any(wanted):
@@ -278,13 +280,21 @@ class EagerFusedHeadFunction(FusedHeadFunction):
     compiled = False
 
 
+class CapturedFusedHeadFunction(FusedHeadFunction):
+    capture = True
+
+
 @contextlib.contextmanager
-def compiled_fused_head(compiled: bool = True):
+def compiled_fused_head(compiled: bool = True, capture: bool = False):
     """Inside the block, TRL's fused LM head (`add_fused_lm_head`, which every TRL 1.16 trainer uses for its
     per-token log-probs: GRPO, RLOO, DPO, KTO, SFT, async GRPO) runs on `fused_linear_logprobs`. Models patched
-    before or inside the block alike: the patched forward looks the function up on each call."""
+    before or inside the block alike: the patched forward looks the function up on each call. `capture`
+    (experimental, compiled, GPU): the primitive's passes as CUDA graph replays."""
+    if capture and not compiled:
+        raise ValueError("compiled_fused_head: capture=True needs compiled=True")
     previous = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = FusedHeadFunction if compiled else EagerFusedHeadFunction
+    chosen = CapturedFusedHeadFunction if capture else FusedHeadFunction
+    trl_utils._ChunkedLogProbFunction = chosen if compiled else EagerFusedHeadFunction
     try:
         yield
     finally:
