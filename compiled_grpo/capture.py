@@ -24,6 +24,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 
+SEEN_LIMIT = 4096  # keys remembered as seen once
+
+
 class CaptureNotice(UserWarning):
     """A call could not be captured as a CUDA graph and ran uncaptured (said once per reason)."""
 
@@ -50,6 +53,8 @@ class Captures:
         """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:
+            if len(self.seen) >= SEEN_LIMIT:  # keys that never recur (a weight at a new address each call)
+                self.seen.clear()
             self.seen.add(key)
             return work(*tensors)
         if entry is None:
