@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-
 SEEN_LIMIT = 4096  # keys remembered as seen once
 
 
