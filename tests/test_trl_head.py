@@ -86,10 +86,12 @@ def test_the_switch_with_captured_calls(monkeypatch):
     assert function is CapturedFusedHeadFunction
     hidden, weight, bias, targets, g = head_inputs()
     g_logp = torch.randn(len(targets), generator=g)
+    weights = {f: weight.clone().requires_grad_() for f in (ChunkedLogProbFunction, function)}  # one per head
     for _ in range(3):
         outs = []
-        for f in (ChunkedLogProbFunction, function):
-            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        for f, w in weights.items():
+            w.grad = None
+            h = hidden.clone().requires_grad_()
             out = f.apply(h, w, None, targets, 0.8, 128, None, 1.0, ("entropy",))
             (out[0] * g_logp).sum().backward()
             outs.append((out[0], h.grad, w.grad))

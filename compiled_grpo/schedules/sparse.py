@@ -107,7 +107,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
     def work(x, values, row_inv_temp, source, valid, *row_tensors):
         plan = dataclasses.replace(rows_plan, source=source, valid=valid, active=None, slot_of_active=None)
         h = head._replace(values=values, row_inv_temp=row_inv_temp)
-        return rows_gradients(engine, x, h, plan, wanted, RowGradients(*row_tensors), token_tiles)
+        return rows_gradients(engine, x, h, plan, wanted, RowGradients(*row_tensors), token_tiles=token_tiles)
 
     key = ("gradients of rows", rows_plan.tiles, rows_plan.identity, token_tiles, passes.head_key(head), wanted)
     tensors = (x, head.values, head.row_inv_temp, rows_plan.source, rows_plan.valid, *per_slot)
@@ -115,7 +115,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
     return rows_plan, dx, dw, db
 
 
-def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: Wanted, per_slot: RowGradients,
+def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: Wanted, per_slot: RowGradients, *,
                    token_tiles: bool):  # fmt: skip
     """dX, dW, db of the rows of `rows_plan` (slots of x), token-outer or vocabulary-outer."""
     # Padding slots read slot 0's row and statistics (finite probabilities) with zero upstream gradients, so
