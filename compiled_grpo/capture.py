@@ -56,16 +56,19 @@ class Captures:
                 self.seen.clear()
             self.seen.add(key)
             return work(*tensors)
-        if entry is None:
-            entry = self._capture(key, work, tensors)
+        # static buffers are ordinary tensors whatever the caller's mode: made under inference_mode they could not
+        # be written by a later call outside it
+        with torch.inference_mode(False), torch.no_grad():
+            if entry is None:
+                entry = self._capture(key, work, tensors)
+            if entry.graph is not None:
+                self.graphs.move_to_end(key)
+                for static, given in zip(entry.inputs, tensors, strict=True):
+                    static.copy_(given)
+                entry.graph.replay()
+                self.replays += 1
         if entry.graph is None:
             return work(*tensors)
-        self.graphs.move_to_end(key)
-        for static, given in zip(entry.inputs, tensors, strict=True):
-            if static.data_ptr() != given.data_ptr():
-                static.copy_(given)
-        entry.graph.replay()
-        self.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.outputs)
 
     def _capture(self, key, work, tensors) -> Graph:

@@ -277,3 +277,30 @@ def test_primitive_passes_replayed(monkeypatch):
         torch.testing.assert_close(hidden.grad, h.grad, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(weight.grad, w.grad, rtol=1e-9, atol=1e-12)
     assert logprobs.PRIMITIVE_CAPTURES.replays >= 4
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("schedule", ["speed", "memory", "sparse"])
+def test_captured_calls_without_grad_mode(schedule, context, monkeypatch):
+    """Old and reference log-probs from a captured loss: bitwise the grad-mode call's (the statistics pass is the
+    same replayed work), call after call."""
+    from compiled_grpo import fused_linear_logprobs, logprobs
+
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    monkeypatch.setattr(logprobs, "PRIMITIVE_CAPTURES", ReplayOnTheStaticInputs())
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, loss_type="dapo")
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    mask = make_inputs(seed=120)["completion_mask"]
+    model = Model(make_inputs(seed=120, dtype=torch.float32))
+    for seed in range(3):
+        x = {**make_inputs(seed=120 + seed, dtype=torch.float32), "completion_mask": mask}
+        grad_mode, _ = model.call(loss_fn, x)
+        with context():
+            out = loss_fn(x["hidden"], model.weight, x["completion_ids"], mask, x["advantages"],
+                          old_per_token_logps=x["old_per_token_logps"])  # fmt: skip
+            primitive = fused_linear_logprobs(x["hidden"], model.weight, x["completion_ids"], compiled=False,
+                                              capture=True, **{k: TILES[k] for k in ("token_tile", "tail_tile")})
+        assert torch.equal(out.per_token_logps, grad_mode.per_token_logps)
+        assert torch.equal(out.entropy, grad_mode.entropy)
+        active = mask.bool()
+        torch.testing.assert_close(primitive.logp[active], grad_mode.per_token_logps[active], rtol=1e-6, atol=1e-6)

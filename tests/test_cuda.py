@@ -181,37 +181,45 @@ def test_constant_inputs_and_a_second_backward_on_gpu(schedule):
     assert_matches(out, {"hidden": h.grad / 2, "weight": w.grad / 2}, ref, ref_grads, rtol=1e-4)
 
 
-def test_captured_speed_schedule_on_gpu():
-    """capture=True: the speed schedule's work as CUDA graph replays, bitwise equal to the same call uncaptured
-    (same bucketed plan), and to the reference in float32; one lm_head across calls, as in training."""
+def captured_against_uncaptured_on_gpu(schedule, settings, seed, **inputs):
+    """Four calls on one lm_head (as in training) through a captured loss and through the same loss with its
+    captured work run directly (same bucketed layout): bitwise equal, and the captured one equal to the reference
+    in float32. Returns the captured loss's Captures."""
     from compiled_grpo import capture
 
-    settings = {"loss_type": "dapo", "entropy_coef": 0.01, "beta": 0.04}
-    captured = FusedLinearGRPOLoss(compiled=True, schedule="speed", capture=True, **settings)
-    plain = FusedLinearGRPOLoss(compiled=True, schedule="speed", capture=True, **settings)
+    captured = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
+    plain = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
     plain.captures = capture.Captures(limit=0)
     plain.captures.run = lambda key, work, tensors: work(*tensors)
-    first = on_cuda(make_inputs(seed=8, B=4, T=300, H=256, V=32003, dtype=torch.float32, ref=True, bias=True))
+    make = lambda s: on_cuda(make_inputs(seed=s, B=4, T=300, H=256, V=32003, dtype=torch.float32, bias=True, **inputs))
+    first = make(seed)
     weight, bias = first["weight"].clone().requires_grad_(), first["bias"].clone().requires_grad_()
-    for seed in range(4):
-        x = on_cuda(make_inputs(seed=8 + seed, B=4, T=300, H=256, V=32003, dtype=torch.float32, ref=True, bias=True))
+    per_token = [k for k in ("old_per_token_logps", "ref_per_token_logps") if k in first]
+    for i in range(4):
+        x = make(seed + i)
         x["completion_mask"], x["weight"], x["bias"] = first["completion_mask"], first["weight"], first["bias"]
         results = []
         for loss_fn in (captured, plain):
             weight.grad = bias.grad = None
             h = x["hidden"].clone().requires_grad_()
             out = loss_fn(h, weight, x["completion_ids"], x["completion_mask"], x["advantages"], bias=bias,
-                          old_per_token_logps=x["old_per_token_logps"], ref_per_token_logps=x["ref_per_token_logps"],
-                          num_items_in_batch=1000 + seed)  # fmt: skip
+                          num_items_in_batch=1000 + i, **{k: x[k] for k in per_token})  # fmt: skip
             out.loss.backward()
             results.append((out, {"hidden": h.grad, "weight": weight.grad.clone(), "bias": bias.grad.clone()}))
         (a, a_grads), (b, b_grads) = results
         assert torch.equal(a.loss, b.loss) and torch.equal(a.per_token_logps, b.per_token_logps)
         assert all(torch.equal(a.metrics[k], b.metrics[k]) for k in b.metrics)
         assert all(torch.equal(a_grads[k], b_grads[k]) for k in b_grads)
-        ref, ref_grads = run_reference(x, settings, num_items_in_batch=1000 + seed)
+        ref, ref_grads = run_reference(x, settings, num_items_in_batch=1000 + i)
         assert_matches(a, a_grads, ref, ref_grads, rtol=1e-4)
-    assert captured.captures.replays == 3
+    return captured.captures
+
+
+def test_captured_speed_schedule_on_gpu():
+    """capture=True: the speed schedule's work as CUDA graph replays."""
+    captures = captured_against_uncaptured_on_gpu("speed", {"loss_type": "dapo", "entropy_coef": 0.01, "beta": 0.04},
+                                                  8, ref=True)  # fmt: skip
+    assert captures.replays == 3
 
 
 @pytest.mark.parametrize(
@@ -222,29 +230,5 @@ def test_captured_speed_schedule_on_gpu():
     ],
 )
 def test_captured_memory_and_sparse_passes_on_gpu(schedule, settings):
-    """capture=True on the memory and sparse schedules: their statistics and gradient passes as CUDA graph replays,
-    bitwise equal to the same calls uncaptured (same bucketed plans), float32 against the reference."""
-    from compiled_grpo import capture
-
-    captured = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
-    plain = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
-    plain.captures = capture.Captures(limit=0)
-    plain.captures.run = lambda key, work, tensors: work(*tensors)
-    first = on_cuda(make_inputs(seed=12, B=4, T=300, H=256, V=32003, dtype=torch.float32, bias=True))
-    weight, bias = first["weight"].clone().requires_grad_(), first["bias"].clone().requires_grad_()
-    for seed in range(4):
-        x = on_cuda(make_inputs(seed=12 + seed, B=4, T=300, H=256, V=32003, dtype=torch.float32, bias=True))
-        x["completion_mask"], x["weight"], x["bias"] = first["completion_mask"], first["weight"], first["bias"]
-        results = []
-        for loss_fn in (captured, plain):
-            weight.grad = bias.grad = None
-            h = x["hidden"].clone().requires_grad_()
-            out = loss_fn(h, weight, x["completion_ids"], x["completion_mask"], x["advantages"], bias=bias,
-                          old_per_token_logps=x["old_per_token_logps"])  # fmt: skip
-            out.loss.backward()
-            results.append((out, {"hidden": h.grad, "weight": weight.grad.clone(), "bias": bias.grad.clone()}))
-        (a, a_grads), (b, b_grads) = results
-        assert torch.equal(a.loss, b.loss) and all(torch.equal(a_grads[k], b_grads[k]) for k in b_grads)
-        ref, ref_grads = run_reference(x, settings)
-        assert_matches(a, a_grads, ref, ref_grads, rtol=1e-4)
-    assert captured.captures.replays >= 4
+    """capture=True on the memory and sparse schedules: their statistics and gradient passes as replays."""
+    assert captured_against_uncaptured_on_gpu(schedule, settings, 12).replays >= 4
