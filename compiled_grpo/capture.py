@@ -48,6 +48,11 @@ class Captures:
         self.said: set = set()
         self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
 
+    def applies_to(self, tensor) -> Captures | None:
+        """These captures where a call on `tensor` can be captured (a GPU, or the stand-in's any device), else None:
+        an engine carries captures only where they apply."""
+        return self if tensor.is_cuda or self.any_device else None
+
     def run(self, key, work, tensors: list):
         """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
         entry = self.graphs.get(key)
@@ -101,6 +106,14 @@ class Captures:
             warnings.warn(f"compiled_grpo: {message}", CaptureNotice, stacklevel=3)
 
 
+def head_key(head) -> tuple:
+    """What a graph bakes in of the lm_head, read in place: the weight's and bias's addresses, shapes and dtypes,
+    the softcap."""
+    weight, bias = head.weight, head.bias
+    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap,
+            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
+
+
 def signature(tensors: list) -> tuple:
     """The shapes, dtypes and devices of `tensors`, for a key."""
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
@@ -137,10 +150,7 @@ class CallTensors:
         scalars = ("entropy_coef", "num_items_in_batch")
         step_names = tuple(n for n in scalars if isinstance(getattr(step, n), torch.Tensor))
         tensors += [getattr(step, n) for n in step_names]
-        weight, bias = head.weight, head.bias
-        head_key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap,
-                    None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
-        return cls(tensors, names, fields, step_names, head_key)
+        return cls(tensors, names, fields, step_names, head_key(head))
 
     def key(self) -> tuple:
         return (self.input_names, self.plan_fields, self.step_names, self.head_key, signature(self.tensors))
@@ -187,14 +197,11 @@ def device_step(step, dtype, device):
 
 
 def capturable(engine, objective) -> bool:
-    """A call's work can be captured: on a GPU (or a stand-in's device in tests), in one process, with the whole
-    vocabulary here."""
+    """A loss call's whole work can be captured: the engine captures (it does so only on a GPU), in one process
+    (no reduction across ranks inside), with the whole vocabulary here."""
     from . import distributed
 
-    device = objective.inputs.hidden.device
-    return (device.type == "cuda" or engine.captures.any_device) and not engine.shard.parallel and not (
-        distributed.active(objective.group)
-    )
+    return engine.captures is not None and not engine.shard.parallel and not distributed.active(objective.group)
 
 
 # Completion lengths are rounded up to a multiple of this in a captured call, so that the batches of a run (whose

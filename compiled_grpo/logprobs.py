@@ -185,7 +185,7 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     if o.validate:
         check_values(flat_targets, valid, weight, group, o.temperature)
     tiles = Tiles.for_device(hidden.device, **o.tiles)
-    captures = PRIMITIVE_CAPTURES if o.capture and (hidden.is_cuda or PRIMITIVE_CAPTURES.any_device) else None
+    captures = PRIMITIVE_CAPTURES.applies_to(hidden) if o.capture else None
     engine = Engine(kernels(o.compiled), tiles, VocabShard(group, o.vocab_start), captures)
     plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
     head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)

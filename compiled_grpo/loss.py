@@ -96,7 +96,7 @@ class FusedLinearGRPOLoss:
         self.process_group = process_group
         self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
         self.kernels = Kernels(compiled)
-        # On a GPU, the speed schedule's work after its plan as CUDA graph replays (`capture.Captures`)
+        # On a GPU, the schedules' tile loops as CUDA graph replays (`capture.Captures`); elsewhere, as without it
         self.captures = Captures() if capture else None
 
     def __call__(
@@ -174,7 +174,8 @@ class FusedLinearGRPOLoss:
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         inputs = self._checked(inputs)
         tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
-        engine = passes.Engine(self.kernels, tiles, shard, self._captures_for(inputs.hidden))
+        captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
+        engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config)
         objective = Objective(self.config, inputs, step, self.process_group)
@@ -186,11 +187,6 @@ class FusedLinearGRPOLoss:
             rows = lambda: validation.active_hidden_rows(inputs.hidden, active, inputs.hidden_rows)
             validation.check_statistics(active, out.per_token_logps, out.entropy, rows, inputs.weight, inputs.bias)
         return out
-
-    def _captures_for(self, hidden):
-        """The loss's captured calls where they apply (a GPU); elsewhere calls run as without `capture`."""
-        captures = self.captures
-        return captures if captures is not None and (hidden.is_cuda or captures.any_device) else None
 
     def _checked(self, inputs: LossInputs) -> LossInputs:
         """Shapes and dtypes always, values unless validate=False; DTensor weights gathered."""

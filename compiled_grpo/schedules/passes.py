@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed, streaming, tiling
-from ..capture import Captures, signature
+from ..capture import Captures, head_key, signature
 from ..head import Head, VocabShard, make_head
 from ..kernels import Kernels
 from ..streaming import RowGradients
@@ -90,7 +90,7 @@ def captured_pass(engine: Engine, key, work, tensors: tuple):
     the whole vocabulary on this rank), else as it is. `tensors`: everything the work reads besides the lm_head
     weight and bias (read in place: `head_key` puts their addresses in the key), None where absent."""
     captures, present = engine.captures, [t for t in tensors if t is not None]
-    if captures is None or engine.shard.parallel or not (present[0].is_cuda or captures.any_device):
+    if captures is None or engine.shard.parallel:  # the shards' statistics are combined inside the pass
         return work(*tensors)
     layout = tuple(t is None for t in tensors)
 
@@ -101,13 +101,6 @@ def captured_pass(engine: Engine, key, work, tensors: tuple):
     full_key = (key, layout, signature(present), engine.tiles, engine.kernels.compiled)
     with torch.no_grad():
         return captures.run(full_key, on_static, present)
-
-
-def head_key(head: Head) -> tuple:
-    """What a graph bakes in of the lm_head: the weight's and bias's addresses, shapes and dtypes, the softcap."""
-    weight, bias = head.weight, head.bias
-    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, head.softcap,
-            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
 
 
 def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles):

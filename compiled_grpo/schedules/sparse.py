@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from .. import distributed, streaming, tiling
+from ..capture import head_key
 from ..head import Head
 from ..streaming import RowGradients
 from ..tiling import TilePlan
@@ -109,7 +110,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
         h = head._replace(values=values, row_inv_temp=row_inv_temp)
         return rows_gradients(engine, x, h, plan, wanted, RowGradients(*row_tensors), token_tiles=token_tiles)
 
-    key = ("gradients of rows", rows_plan.tiles, rows_plan.identity, token_tiles, passes.head_key(head), wanted)
+    key = ("gradients of rows", rows_plan.tiles, rows_plan.identity, token_tiles, head_key(head), wanted)
     tensors = (x, head.values, head.row_inv_temp, rows_plan.source, rows_plan.valid, *per_slot)
     dx, dw, db = passes.captured_pass(engine, key, work, tensors)
     return rows_plan, dx, dw, db

@@ -143,7 +143,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         return statistics_run(engine, objective, head, plan)
     wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
     call = GradientCall(wanted, hidden.requires_grad, passes.compiles_objective(engine, hidden))
-    is_captured = engine.captures is not None and capture.capturable(engine, objective)
+    is_captured = capture.capturable(engine, objective)
     if is_captured:
         loss, metrics, logp, entropy, grads = captured(engine, objective, head, plan, call)
     else:
