@@ -23,8 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import distributed, validation
+from . import distributed, faults, validation
 from .capture import Captures
+from .faults import Deferred, Faults
 from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
 from .schedules import memory, sparse
@@ -93,8 +94,10 @@ def fused_linear_logprobs(
     with torch.autocast(call.stream.hidden.device.type, enabled=False):
         logp, ent = memory.stream_statistics(function, call.engine, call.stream, call.plan, call.head)
     if validate:
-        rows = lambda: validation.active_hidden_rows(call.stream.hidden, call.valid)
-        validation.check_statistics(call.valid, logp, ent, rows, call.head.weight, call.head.bias)
+        later = faults.deferred(call.stream.hidden.device)
+        found = validation.statistics_faults(call.valid, logp, ent, call.stream.hidden, call.head.weight,
+                                             call.head.bias, later=later)  # fmt: skip
+        PRIMITIVE_DEFERRED.keep(found) if later else found.settle()
     return LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
 
 
@@ -146,8 +149,10 @@ LOGPROBS_OPTIONS = _keywords(fused_linear_logprobs)
 EXTRA_OPTIONS = _keywords(fused_linear_extra_statistics)
 
 
-# The primitive's captured calls (`capture=True`): one set of graphs per process, as it has no object to keep them.
+# The primitive's captured calls (`capture=True`) and value checks read at a later call (`faults.Deferred`): one of
+# each per process, as it has no object to keep them.
 PRIMITIVE_CAPTURES = Captures()
+PRIMITIVE_DEFERRED = Deferred()
 
 
 class Call(NamedTuple):
@@ -182,12 +187,14 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     flat_targets = targets.reshape(-1)
     valid = flat_targets != o.ignore_index
     group = distributed.LOCAL if o.vocab_parallel_group is None else o.vocab_parallel_group
-    if o.validate:
-        check_values(flat_targets, valid, weight, group, o.temperature)
+    value_faults = value_checks(flat_targets, valid, weight, group, o.temperature) if o.validate else Faults()
     tiles = Tiles.for_device(hidden.device, **o.tiles)
     captures = PRIMITIVE_CAPTURES.applies_to(hidden) if o.capture else None
     engine = Engine(kernels(o.compiled), tiles, VocabShard(group, o.vocab_start), captures)
     plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
+    # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host
+    PRIMITIVE_DEFERRED.raise_pending()
+    value_faults.raise_first()
     head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)
     head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape)
     if head.row_inv_temp is not None:
@@ -263,14 +270,18 @@ def check_temperature_shape(temperature: torch.Tensor, targets: torch.Tensor) ->
         raise ValueError(f"temperature: shape {shape} does not broadcast to targets' {want}") from None
 
 
-def check_values(flat_targets, valid, weight, group, temperature) -> None:
-    """Host-syncing checks: targets in the (whole) vocabulary or ignored, temperatures positive and finite."""
+def value_checks(flat_targets, valid, weight, group, temperature) -> Faults:
+    """Targets in the (whole) vocabulary or ignored, temperatures positive and finite: device flags, their
+    read-back started (`faults.Faults`)."""
     vocab = weight.shape[0]
     if group is not distributed.LOCAL:
         vocab = int(distributed.all_sum(torch.tensor(vocab, device=weight.device), group))
-    ids = flat_targets[valid]
-    bad = (ids < 0) | (ids >= vocab)
-    if bool(bad.any()):
-        raise ValueError(f"targets: id {int(ids[bad][0])} is outside [0, {vocab}) and is not ignore_index")
-    if isinstance(temperature, torch.Tensor) and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
-        raise ValueError("temperature: every value must be positive and finite")
+    found = Faults()
+    bad = valid & ((flat_targets < 0) | (flat_targets >= vocab))
+    first_bad = validation.first_where(flat_targets, bad)
+    found.add(bad.any(), lambda id_: ValueError(f"targets: id {id_} is outside [0, {vocab}) and is not ignore_index"),
+              first_bad)  # fmt: skip
+    if isinstance(temperature, torch.Tensor):
+        found.add(~(torch.isfinite(temperature) & (temperature > 0)).all(),
+                  lambda _: ValueError("temperature: every value must be positive and finite"))  # fmt: skip
+    return found.issue()

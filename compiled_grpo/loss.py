@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, schedules, validation
+from . import distributed, faults, schedules, validation
 from .batch_objective import Objective, Step
 from .capture import Captures
 from .config import SETTING_NAMES, GRPOLossConfig
+from .faults import Deferred, Faults
 from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels
@@ -46,9 +47,11 @@ class FusedLinearGRPOLoss:
 
     Settings (TRL's names and defaults, see `GRPOLossConfig`) are validated once, here. `compiled=True` runs the
     tile functions under torch.compile; `compiled=False` runs the same functions eagerly. `schedule`: "memory",
-    "speed", "sparse" or "auto" (`schedules.choose` states the rule). `validate=False` skips the checks that read
-    values back to the host. Tile sizes (`tiling.Tiles`) default by device; `logits_budget_bytes` bounds the
-    workspace of the speed and sparse schedules, beyond which "auto" picks memory.
+    "speed", "sparse" or "auto" (`schedules.choose` states the rule). `validate=False` skips the value checks (ids
+    in range, finite inputs and statistics: reductions on the device, read back where the host waits anyway; on
+    a GPU the check of a call's statistics is raised at the next call or by `check()`). Tile sizes
+    (`tiling.Tiles`) default by device; `logits_budget_bytes` bounds the workspace of the speed and sparse
+    schedules, beyond which "auto" picks memory.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class FusedLinearGRPOLoss:
         self.kernels = Kernels(compiled)
         # On a GPU, the schedules' tile loops as CUDA graph replays (`capture.Captures`); elsewhere, as without it
         self.captures = Captures() if capture else None
+        self.deferred = Deferred()  # value checks of earlier calls not yet read (`check`)
 
     def __call__(
         self,
@@ -172,7 +176,7 @@ class FusedLinearGRPOLoss:
         return GRPOLossOutput(out.loss, out.metrics, *packed, schedule=out.schedule)
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
-        inputs = self._checked(inputs)
+        inputs, value_faults = self._checked(inputs)
         tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
@@ -181,26 +185,42 @@ class FusedLinearGRPOLoss:
         objective = Objective(self.config, inputs, step, self.process_group)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
+        # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host
+        self.deferred.raise_pending()
+        value_faults.raise_first()
         out = GRPOLossOutput(*schedule.run(engine, objective, head, plan), schedule=schedule.NAME)
         if self.validate:
-            active = inputs.completion_mask.bool()
-            rows = lambda: validation.active_hidden_rows(inputs.hidden, active, inputs.hidden_rows)
-            validation.check_statistics(active, out.per_token_logps, out.entropy, rows, inputs.weight, inputs.bias)
+            self._check_statistics(inputs, out)
         return out
 
-    def _checked(self, inputs: LossInputs) -> LossInputs:
-        """Shapes and dtypes always, values unless validate=False; DTensor weights gathered."""
+    def _checked(self, inputs: LossInputs) -> tuple[LossInputs, Faults]:
+        """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started;
+        DTensor weights gathered."""
         validation.check_shapes(inputs)
         no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
         if self.config.beta != 0.0 and no_reference:
             raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
         inputs = inputs.cast_head(distributed.full_tensor)
-        if self.validate:
-            vocab = inputs.weight.shape[0]
-            if self.vocab_group is not distributed.LOCAL:
-                vocab = int(distributed.all_sum(torch.tensor(vocab, device=inputs.weight.device), self.vocab_group))
-            validation.check_values(inputs, vocab)
-        return inputs
+        if not self.validate:
+            return inputs, Faults()
+        vocab = inputs.weight.shape[0]
+        if self.vocab_group is not distributed.LOCAL:
+            vocab = int(distributed.all_sum(torch.tensor(vocab, device=inputs.weight.device), self.vocab_group))
+        return inputs, validation.value_faults(inputs, vocab).issue()
+
+    def _check_statistics(self, inputs: LossInputs, out: GRPOLossOutput) -> None:
+        """Finite statistics at active positions: now on a CPU; on a GPU read at the next call or by `check()`."""
+        later = faults.deferred(inputs.hidden.device)
+        active = inputs.completion_mask.bool()
+        found = validation.statistics_faults(active, out.per_token_logps, out.entropy, inputs.hidden, inputs.weight,
+                                             inputs.bias, rows=inputs.hidden_rows, later=later)  # fmt: skip
+        self.deferred.keep(found) if later else found.settle()
+
+    def check(self) -> None:
+        """Raise now the error of a value check still pending from an earlier call (on a GPU, the check of a
+        call's statistics is read at the next call, so that the call itself never waits for its work); waits for
+        the device. CompiledGRPOTrainer calls it when it logs."""
+        self.deferred.raise_pending()
 
 
 def _parameters(function, kinds) -> tuple[str, ...]:

@@ -138,7 +138,7 @@ def _make_plan(active, slot_of_active, slots, tiles, identity) -> TilePlan:
     source = torch.zeros(slots, dtype=torch.long, device=active.device)
     valid = torch.zeros(slots, dtype=torch.bool, device=active.device)
     source[slot_of_active] = active
-    valid[slot_of_active] = True
+    valid.index_fill_(0, slot_of_active, True)  # a scalar fill: no host-to-device copy (which would wait)
     return TilePlan(source, valid, tiles, active, slot_of_active, identity)
 
 

@@ -1,15 +1,18 @@
 """Input checks: a clear ValueError or TypeError naming the argument, never a deep torch error or a silent NaN.
 
-Shape and dtype checks are free; value checks (ids in range, 0/1 mask, finite inputs) read the data back to the
-host and can be turned off with `validate=False`.
+Shape and dtype checks are free; value checks (ids in range, 0/1 mask, finite inputs and statistics) are
+reductions on the device whose flags are read back together where the host waits anyway (`faults.Faults`), and
+can be turned off with `validate=False`.
 """
 
 from __future__ import annotations
 
 import difflib
+import weakref
 
 import torch
 
+from .faults import Faults
 from .inputs import PER_TOKEN
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -91,55 +94,83 @@ TENSOR_INPUTS = ("weight", "bias", "completion_ids", "completion_mask", "advanta
                  "importance_sampling_ratio", "ref_hidden", "ref_weight", "ref_bias")  # fmt: skip
 
 
-def check_statistics(active, logp, entropy, active_hidden, weight, bias) -> None:
+def statistics_faults(active, logp, entropy, hidden, weight, bias, *, rows=None, later: bool = False) -> Faults:
     """After the statistics pass: a non-finite log-prob or entropy at an `active` position comes from a NaN or an
-    infinity in hidden (at an active position), weight or bias, which is named. This costs a reduction over the
-    positions and one wait on the device, where checking the inputs up front would read the whole lm_head every
-    call. `active_hidden()` gives the hidden rows of the active positions (made only when a value is not finite)."""
-    if bool((~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()):
-        return
-    for name, x in (("hidden", active_hidden()), ("weight", weight), ("bias", bias)):
-        if x is not None and not bool(torch.isfinite(x).all()):
-            where = " at an active position" if name == "hidden" else ""
-            _fail(name, f"NaN or infinite value{where}: the log-probs and entropies would be NaN")
-    _fail("hidden", "the logits overflowed: a log-prob or entropy at an active position is not finite")
+    infinity in hidden (at an active position), weight or bias, which the error names, or from logits that
+    overflowed. Two flags on the device (a reduction over the positions and one over hidden's active rows); weight
+    and bias, whose reading costs a pass over the lm_head, are read only when a fault is raised, if still alive.
+    `rows`: a packed call's hidden row of each position. `later`: raised after the call (`faults.Deferred`)."""
+    bad_stats = ~(~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()
+    finite_rows = torch.isfinite(hidden.reshape(-1, hidden.shape[-1])).all(-1)
+    if rows is not None:  # a packed call: no position has a row when hidden has none
+        finite_rows = finite_rows[rows] if finite_rows.numel() else torch.ones_like(rows, dtype=torch.bool)
+    finite_hidden = finite_rows.reshape(active.shape)
+    bad_hidden = ~(~active | finite_hidden).all()
+    when = " (found after an earlier call, whose results are not valid)" if later else ""
+    faults = Faults()
+    faults.add(
+        bad_stats & bad_hidden,
+        lambda _: ValueError(
+            f"hidden: NaN or infinite value at an active position{when}: the log-probs and entropies would be NaN"
+        ),
+    )
+    head = (("weight", weakref.ref(weight)), ("bias", None if bias is None else weakref.ref(bias)))
+    faults.add(bad_stats, lambda _: non_finite_head(head, when))
+    return faults
 
 
-def active_hidden_rows(hidden, active, rows=None):
-    """The rows of `hidden` ([..., H]) at the `active` positions (`rows`: a packed call's row of each position)."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    positions = active.reshape(-1).nonzero().squeeze(1)
-    return flat.index_select(0, positions if rows is None else rows[positions])
+def non_finite_head(head, when: str) -> ValueError:
+    """The error for non-finite statistics with finite hidden states: weight or bias if either holds a NaN or an
+    infinity (read now, if the tensor is still alive), else the logits overflowed."""
+    gone = []
+    for name, ref in head:
+        x = None if ref is None else ref()
+        if ref is not None and x is None:
+            gone.append(name)
+        elif x is not None and not bool(torch.isfinite(x).all()):
+            return ValueError(f"{name}: NaN or infinite value{when}: the log-probs and entropies would be NaN")
+    unchecked = f" ({' and '.join(gone)} no longer alive to check for NaN or infinite values)" if gone else ""
+    return ValueError(f"hidden: the logits overflowed: a log-prob or entropy at an active position is not "
+                      f"finite{when}{unchecked}")  # fmt: skip
 
 
-def check_values(inputs, vocab: int) -> None:
-    """Host-syncing checks of the values at active positions; `vocab` is the whole vocabulary's size."""
+def value_faults(inputs, vocab: int) -> Faults:
+    """Checks of the values at active positions, as device flags; `vocab` is the whole vocabulary's size."""
     ids, mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages
     is_ratio = inputs.importance_sampling_ratio
-    if not ((mask == 0) | (mask == 1)).all():
-        _fail("completion_mask", "values must be 0 or 1")
-    active = mask.bool()
-    if active.any():
-        a_ids = ids[active]
-        if (a_ids < 0).any() or (a_ids >= vocab).any():
-            bad = a_ids[(a_ids < 0) | (a_ids >= vocab)][0].item()
-            _fail("completion_ids", f"id {bad} at an active position is outside [0, {vocab})")
-    adv = advantages if advantages.dim() == 1 else advantages[active]
-    if not torch.isfinite(adv).all():
-        _fail("advantages", "non-finite value at an active position")
+    active = mask != 0
+    faults = Faults()
+    faults.add(~((mask == 0) | (mask == 1)).all(), lambda _: ValueError("completion_mask: values must be 0 or 1"))
+    out_of_range = active & ((ids < 0) | (ids >= vocab))
+    first_bad = first_where(ids.reshape(-1), out_of_range.reshape(-1))
+    faults.add(
+        out_of_range.any(),
+        lambda bad: ValueError(f"completion_ids: id {bad} at an active position is outside [0, {vocab})"),
+        first_bad,
+    )
+    adv = advantages if advantages.dim() == 1 else torch.where(active, advantages, 0.0)
+    faults.add(~torch.isfinite(adv).all(), non_finite("advantages"))
     for name, x in inputs.per_token().items():
-        if x is None:
-            continue
-        v = x[active]
-        ok = ~torch.isinf(v) if name == "sampling_per_token_logps" else torch.isfinite(v)  # NaN = unscored token
-        if not ok.all():
-            _fail(name, "non-finite value at an active position")
+        if x is not None:
+            ok = ~torch.isinf(x) if name == "sampling_per_token_logps" else torch.isfinite(x)  # NaN = unscored token
+            faults.add(~(ok | ~active).all(), non_finite(name))
     if is_ratio is not None:
-        r = is_ratio[active] if is_ratio.shape == mask.shape else is_ratio
-        if not torch.isfinite(r).all():
-            _fail("importance_sampling_ratio", "non-finite value at an active position")
-        if (r < 0).any():
-            _fail("importance_sampling_ratio", "negative value at an active position")
+        r = torch.where(active, is_ratio, 1.0) if is_ratio.shape == mask.shape else is_ratio
+        faults.add(~torch.isfinite(r).all(), non_finite("importance_sampling_ratio"))
+        faults.add((r < 0).any(), lambda _: ValueError("importance_sampling_ratio: negative value at an active "
+                                                         "position"))  # fmt: skip
+    return faults
+
+
+def first_where(values, bad):
+    """The first of `values` where `bad` holds (values[0] where none does), as a device tensor: no read back."""
+    if not values.numel():
+        return None
+    return values.gather(0, bad.to(torch.uint8).argmax().reshape(1))
+
+
+def non_finite(name: str):
+    return lambda _: ValueError(f"{name}: non-finite value at an active position")
 
 
 def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:

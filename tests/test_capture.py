@@ -267,8 +267,15 @@ def test_primitive_passes_replayed(monkeypatch):
         temperature = torch.rand(B, 1, generator=g, dtype=torch.float64) + 0.5
         g_logp = torch.randn(B, T, generator=g, dtype=torch.float64) * (torch.rand(B, T, generator=g) < 0.5)
         weight.grad = None
-        out = fused_linear_logprobs(hidden, weight, targets, temperature=temperature, compiled=False, capture=True,
-                                    **{k: TILES[k] for k in ("token_tile", "tail_tile", "vocab_tile", "sparse_tile")})
+        out = fused_linear_logprobs(
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            compiled=False,
+            capture=True,
+            **{k: TILES[k] for k in ("token_tile", "tail_tile", "vocab_tile", "sparse_tile")},
+        )
         ((out.logp * g_logp).sum() + out.entropy.sum() * 0.1).backward()
         h, w = hidden.detach().requires_grad_(), weight.detach().clone().requires_grad_()
         ref = reference.fused_linear_logprobs(h, w, targets, temperature=temperature)
@@ -298,8 +305,14 @@ def test_captured_calls_without_grad_mode(schedule, context, monkeypatch):
         with context():
             out = loss_fn(x["hidden"], model.weight, x["completion_ids"], mask, x["advantages"],
                           old_per_token_logps=x["old_per_token_logps"])  # fmt: skip
-            primitive = fused_linear_logprobs(x["hidden"], model.weight, x["completion_ids"], compiled=False,
-                                              capture=True, **{k: TILES[k] for k in ("token_tile", "tail_tile")})
+            primitive = fused_linear_logprobs(
+                x["hidden"],
+                model.weight,
+                x["completion_ids"],
+                compiled=False,
+                capture=True,
+                **{k: TILES[k] for k in ("token_tile", "tail_tile")},
+            )
         assert torch.equal(out.per_token_logps, grad_mode.per_token_logps)
         assert torch.equal(out.entropy, grad_mode.entropy)
         active = mask.bool()

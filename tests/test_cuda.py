@@ -232,3 +232,24 @@ def test_captured_speed_schedule_on_gpu():
 def test_captured_memory_and_sparse_passes_on_gpu(schedule, settings):
     """capture=True on the memory and sparse schedules: their statistics and gradient passes as replays."""
     assert captured_against_uncaptured_on_gpu(schedule, settings, 12).replays >= 4
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["uncaptured", "captured"])
+def test_value_checks_on_gpu(capture):
+    """On a GPU: a bad id is named in its own call (its flag read with the plan's wait); a NaN in hidden is named
+    at the next call (the check of a call's statistics is deferred, read from pinned memory after an event)."""
+    x = on_cuda(make_inputs(dtype=torch.float32, bias=True))
+    fn = FusedLinearGRPOLoss(schedule="memory", capture=capture)
+    args = lambda **o: [{**x, **o}[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    ids = x["completion_ids"].clone()
+    ids[0, 0] = x["weight"].shape[0]
+    with pytest.raises(ValueError, match="completion_ids: id"):
+        fn(*args(completion_ids=ids))
+    hidden = x["hidden"].clone()
+    hidden[0, 0, 1] = float("nan")
+    fn(*args(hidden=hidden))
+    with pytest.raises(ValueError, match="hidden: NaN or infinite value at an active position .found after an earlier"):
+        fn(*args())
+    out = fn(*args())
+    fn.check()
+    assert torch.isfinite(out.loss)

@@ -185,6 +185,7 @@ def test_compiled_grpo_trainer_old_log_probs_equal_the_losss(tmp_path):
 
     class Spy:
         kernels = loss_fn.kernels
+        check = loss_fn.check
 
         def __call__(self, *args, **kwargs):
             out = loss_fn(*args, **kwargs)

@@ -26,6 +26,7 @@ import trl
 import trl.trainer.utils as trl_utils
 from trl import GRPOTrainer
 
+from .. import logprobs
 from ..logprobs import fused_linear_extra_statistics, fused_linear_logprobs
 from ..loss import FusedLinearGRPOLoss
 from ..schedules import sparse
@@ -154,6 +155,8 @@ class CompiledGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         settle(self._metrics["train" if self.model.training else "eval"])
+        self.fused_loss.check()  # a value check still pending from the last step (read back with the metrics)
+        logprobs.PRIMITIVE_DEFERRED.raise_pending()
         super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
