@@ -28,7 +28,7 @@ any fails, 2 on a selection that checks nothing or missing packages). It needs n
 pip install 'compiled-grpo[audit]'."""
 
 AUDITS = ("loss", "logprobs", "quantile", "entropy")
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "captured")  # captured: compiled, the work as CUDA graph replays (GPU only)
 
 
 def program_name() -> str:
@@ -78,7 +78,8 @@ def parse(argv):
     size.add_argument("--full", action="store_true", help="larger sizes, two seeds, more vocabularies")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
+    ap.add_argument("--modes", default=None, help=f"comma-separated subset of: {', '.join(MODES)} (default: every "
+                    "mode the device has; captured needs --device cuda)")  # fmt: skip
     ap.add_argument("--loss-types", default=",".join(LOSS_TYPES),
                     help=f"comma-separated subset of: {', '.join(LOSS_TYPES)}")  # fmt: skip
     ap.add_argument("--only", default=",".join(AUDITS), help=f"comma-separated subset of: {', '.join(AUDITS)}")
@@ -90,7 +91,10 @@ def parse(argv):
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
-    args.modes = comma_list(ap, "--modes", args.modes, MODES)
+    on_device = MODES if args.device == "cuda" else tuple(m for m in MODES if m != "captured")
+    args.modes = comma_list(ap, "--modes", ",".join(on_device) if args.modes is None else args.modes, MODES)
+    if "captured" in args.modes and args.device != "cuda":
+        ap.error("--modes captured: captured calls are CUDA graphs; add --device cuda")
     args.loss_types = comma_list(ap, "--loss-types", args.loss_types, LOSS_TYPES)
     args.only = set(comma_list(ap, "--only", args.only, AUDITS))
     return args

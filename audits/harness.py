@@ -37,6 +37,22 @@ def run_fused(loss_fn, x: dict, **extra):
     return call(loss_fn, x, **extra)
 
 
+def after_warm_ups(fn, backward, warm_ups: int = 2):
+    """fn, called `warm_ups` times first on the same tensors, each followed by `backward(result)` and the leaves'
+    gradients dropped: with captured calls (`capture=True` on a GPU) the first call of a layout runs uncaptured
+    and the second captures it, so the call that is checked is a CUDA graph replay."""
+
+    def warmed(*args, **kwargs):
+        for _ in range(warm_ups):
+            backward(fn(*args, **kwargs))
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.is_leaf:
+                    t.grad = None
+        return fn(*args, **kwargs)
+
+    return warmed
+
+
 def run_reference(x: dict, settings: dict, **extra):
     """float64 on the inputs as given (already rounded to the tested dtype)."""
     return call(lambda *a, **k: reference.grpo_loss(*a, **k, **settings), x, torch.float64, **extra)

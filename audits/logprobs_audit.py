@@ -1,5 +1,5 @@
 """The primitive's audit: `fused_linear_logprobs` against the float64 reference primitive (full logits, plain
-autograd), one cell per case x dtype x mode (eager, compiled).
+autograd), one cell per case x dtype x mode (eager, compiled, and captured on a GPU).
 
 Cases: plain; temperature per token; temperature per sequence; logit scale, softcap and bias; a custom
 ignore_index; 80% of the rows with zero upstream gradient (the sparse backward); no entropy gradient. Each cell
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from compiled_grpo import fused_linear_logprobs
+from compiled_grpo.logprobs import PRIMITIVE_CAPTURES
 
-from . import reference, tolerances
+from . import harness, reference, tolerances
 from .loss_audit import DTYPES, Size, relative_error
 from .results import CellResult
 
@@ -77,12 +78,17 @@ def gradients(fn, x: dict, upstream, dtype=None):
     leaves = {k: None if v is None else v.detach().to(dtype or v.dtype).clone().requires_grad_()
               for k, v in x.items() if k != "targets"}  # fmt: skip
     logp, entropy = fn(leaves["hidden"], leaves["weight"], x["targets"], bias=leaves["bias"])
-    g_logp, g_entropy = upstream
+    upstream_backward((logp, entropy), upstream)
+    return logp, entropy, {k: v.grad for k, v in leaves.items() if v is not None}
+
+
+def upstream_backward(outputs, upstream) -> None:
+    """Backward of (logp, entropy) with the case's upstream gradients."""
+    (logp, entropy), (g_logp, g_entropy) = outputs, upstream
     total = (logp * g_logp.to(logp.dtype)).sum()
     if g_entropy is not None:
         total = total + (entropy * g_entropy.to(entropy.dtype)).sum()
     total.backward()
-    return logp, entropy, {k: v.grad for k, v in leaves.items() if v is not None}
 
 
 def naive(hidden, weight, targets, bias=None, ignore_index=-100, temperature=1.0, logit_scale=1.0,
@@ -102,10 +108,16 @@ def naive(hidden, weight, targets, bias=None, ignore_index=-100, temperature=1.0
 def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
     result = CellResult("logprobs", cell.name, params={**cell.__dict__})
     x, options, upstream = case["x"], case["options"], case["upstream"]
-    ours = lambda h, w, t, bias: fused_linear_logprobs(h, w, t, bias=bias, compiled=cell.mode == "compiled",
-                                                       **options)  # fmt: skip
+    captured = cell.mode == "captured"
+    ours = lambda h, w, t, bias: fused_linear_logprobs(h, w, t, bias=bias, compiled=cell.mode != "eager",
+                                                       capture=captured, **options)  # fmt: skip
     ref = lambda h, w, t, bias: reference.fused_linear_logprobs(h, w, t, bias=bias, **options)[:2]
+    replays = PRIMITIVE_CAPTURES.replays
+    if captured:  # the checked call is a replay of the call's captured passes (`harness.after_warm_ups`)
+        ours = harness.after_warm_ups(ours, lambda out: upstream_backward(out, upstream))
     logp, entropy, grads = gradients(ours, x, upstream)
+    if captured:
+        result.check("ran as a CUDA graph replay", float(PRIMITIVE_CAPTURES.replays == replays), 0.0)
     ref_logp, ref_entropy, ref_grads = gradients(ref, x, upstream, torch.float64)
     tol = tolerances.for_dtype(cell.dtype)
     result.check("logp", relative_error(logp, ref_logp), tol["logp"])

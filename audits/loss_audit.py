@@ -22,6 +22,7 @@ reference_threshold = reference.objective.entropy_threshold
 
 QUANTILES = (1.0, 0.8, 0.5, 0.2)
 GROUP_QUANTILES = (1.0, 0.5, 0.2)
+CAPTURED_QUANTILES = (1.0, 0.2)  # every schedule, the dense and the sparse gradient pass
 GROUP_SIZE = 2  # completions per prompt in the "groups" batches (B = 4 quick, 8 full)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -32,7 +33,7 @@ class LossCell:
     level: str
     q: float
     dtype: str
-    mode: str  # "eager" | "compiled"
+    mode: str  # "eager" | "compiled" | "captured" (compiled, its work as CUDA graph replays: GPU only)
     schedule: str  # "memory" | "speed" | "sparse"
     batch: str = "random"  # "random" advantages, beta, bonus | "groups": GRPO groups, half tied | "packed"
 
@@ -62,13 +63,15 @@ def schedules(q: float) -> tuple[str, ...]:
 
 
 def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "compiled")) -> list[LossCell]:
-    """Every loss type x level x q x dtype x mode x valid schedule on random batches; and on GRPO groups (half
-    of them at advantage 0), q in (1, 0.5, 0.2), the schedules that skip work (speed, sparse), eager."""
+    """Every loss type x level x q x dtype x mode x valid schedule on random batches (captured: q in 1 and 0.2);
+    and on GRPO groups (half of them at advantage 0), q in (1, 0.5, 0.2), the schedules that skip work (speed,
+    sparse), eager."""
     out = []
     for loss_type, level, q, dtype, mode in itertools.product(
         loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
     ):
-        out += [LossCell(loss_type, level, q, dtype, mode, schedule) for schedule in schedules(q)]
+        if mode != "captured" or q in CAPTURED_QUANTILES:
+            out += [LossCell(loss_type, level, q, dtype, mode, schedule) for schedule in schedules(q)]
     if "eager" in modes:
         for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, dtypes):
             skipping = tuple(s for s in schedules(q) if s != "memory")
@@ -158,11 +161,15 @@ def compare_masks(out, ref, mask, q: float, dtype: str, result: CellResult) -> b
 def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
     settings = cell.settings(size.T)
     result = CellResult("loss", cell.name, params={**cell.__dict__})
-    loss_fn = FusedLinearGRPOLoss(compiled=cell.mode == "compiled", schedule=cell.schedule, **settings)
+    captured = cell.mode == "captured"
+    loss_fn = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, capture=captured, **settings)
     run_reference = harness.run_reference
     if cell.batch == "packed":  # the active tokens alone, one sequence per row, the empty row kept
         x, run_reference = harness.pack(x), harness.run_packed_reference
-    out, grads = harness.run_fused(loss_fn, x)
+    fn = harness.after_warm_ups(loss_fn, lambda out: out.loss.backward()) if captured else loss_fn
+    out, grads = harness.run_fused(fn, x)
+    if captured:  # the checked call was a replay: its work ran as CUDA graphs
+        result.check("ran as a CUDA graph replay", float(loss_fn.captures.replays == 0), 0.0)
     ref, ref_grads = run_reference(x, settings)
     if compare_masks(out, ref, x["completion_mask"], cell.q, cell.dtype, result):
         ref, ref_grads = run_reference(x, settings, entropy_mask_override=out.entropy_mask)

@@ -55,6 +55,9 @@ class Captures:
 
     def run(self, key, work, tensors: list):
         """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
+        # one layout for the warm-up, the capture and the replays: compiled tiles guard on their inputs' strides, and
+        # a recompile inside a capture (an expanded gradient whose static copy is dense, say) breaks the capture
+        tensors = [t.contiguous() for t in tensors]
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:
             if len(self.seen) >= SEEN_LIMIT:  # keys that never recur (a weight at a new address each call)

@@ -70,6 +70,12 @@ def test_a_selection_that_checks_nothing_is_refused(argv, valid, tmp_path, capsy
     assert not (tmp_path / "audit.md").exists()
 
 
+def test_captured_mode_needs_a_gpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--modes", "captured", "--out", str(tmp_path)])
+    assert exit_info.value.code != 0 and "add --device cuda" in capsys.readouterr().err
+
+
 def test_help_lists_the_values(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -317,3 +317,19 @@ def test_captured_calls_without_grad_mode(schedule, context, monkeypatch):
         assert torch.equal(out.entropy, grad_mode.entropy)
         active = mask.bool()
         torch.testing.assert_close(primitive.logp[active], grad_mode.per_token_logps[active], rtol=1e-6, atol=1e-6)
+
+
+def test_the_work_sees_one_layout_in_every_call():
+    """An expanded input (a broadcast gradient, say) reaches the warm-up, the capture and the replays with the
+    same strides: compiled tiles guard on strides, and a recompile inside a capture would break it."""
+    seen = []
+
+    def work(t):
+        seen.append(t.stride())
+        return t * 2
+
+    captures = ReplayOnTheStaticInputs()
+    expanded = torch.ones(1).expand(6)
+    for _ in range(3):
+        assert torch.equal(captures.run("key", work, [expanded]), torch.full((6,), 2.0))
+    assert len(set(seen)) == 1 and captures.replays == 2
