@@ -232,8 +232,8 @@ def sweep(args) -> None:
             for method, measured in timed(steps, args.repeats, on_gpu, reset).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
-                if captures is not None:  # how many calls ran as graph replays
-                    row["replays"] = captures.replays
+                if captures is not None:  # how many calls ran as graph replays, and what their pool reserves
+                    row["replays"], row["pool_gib"] = captures.replays, captures.pool_bytes / 2**30
                 if isinstance(measured, str):
                     row["status"] = measured
                 else:

@@ -10,7 +10,9 @@ The first call of a key runs `work` uncaptured (it compiles and warms the kernel
 later calls copy their tensors into the graph's static inputs and replay. Outputs are copied out of the
 graph's static buffers, so a result stays valid across later calls. A capture that fails (work that reads the
 host, say) is said once, and that key then runs uncaptured. Graphs share one memory pool (they never run at the
-same time); at most `limit` graphs are kept, the least recently used dropped first.
+same time); at most `limit` graphs are kept, the least recently used dropped first. The pool keeps each graph's
+workspace reserved between calls: where it grows past `pool_limit` bytes (the loss's workspace budget), every
+graph is dropped and the calls run uncaptured, said once.
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ class Graph:
 class Captures:
     any_device = False  # True in a stand-in that captures nothing (tests on a CPU)
 
-    def __init__(self, limit: int = 16):
+    def __init__(self, limit: int = 16, pool_limit: int | None = None):
         self.limit = limit
+        self.pool_limit = pool_limit  # bytes the graphs' memory pool may reserve; past it, capture stops
         self.graphs: OrderedDict = OrderedDict()
         self.seen: set = set()
         self.pool = None
+        self.pool_bytes = 0  # what the pool reserves on the device, measured after each capture
+        self.stopped = False
         self.said: set = set()
         self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
 
@@ -58,6 +63,8 @@ class Captures:
         # one layout for the warm-up, the capture and the replays: compiled tiles guard on their inputs' strides, and
         # a recompile inside a capture (an expanded gradient whose static copy is dense, say) breaks the capture
         tensors = [t.contiguous() for t in tensors]
+        if self.stopped:  # the pool outgrew its budget (`_measure_pool`)
+            return work(*tensors)
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:
             if len(self.seen) >= SEEN_LIMIT:  # keys that never recur (a weight at a new address each call)
@@ -69,13 +76,13 @@ class Captures:
         with torch.inference_mode(False), torch.no_grad():
             if entry is None:
                 entry = self._capture(key, work, tensors)
-            if entry.graph is not None:
+            if entry.graph is not None and key in self.graphs:  # not dropped with the pool (`_measure_pool`)
                 self.graphs.move_to_end(key)
                 for static, given in zip(entry.inputs, tensors, strict=True):
                     static.copy_(given)
                 entry.graph.replay()
                 self.replays += 1
-        if entry.graph is None:
+        if entry.graph is None or self.stopped:  # failed, or dropped with the pool just now
             return work(*tensors)
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.outputs)
 
@@ -90,12 +97,31 @@ class Captures:
             torch.cuda.synchronize()
             return self._failed(key, error)
         self.pool = graph.pool() if self.pool is None else self.pool
-        return self._keep(key, Graph(graph, static, outputs))
+        entry = self._keep(key, Graph(graph, static, outputs))
+        self._measure_pool()
+        return entry
+
+    def _measure_pool(self) -> None:
+        """The pool's reserved bytes (its segments in the allocator's snapshot); past `pool_limit`, every graph is
+        dropped and later calls run uncaptured (said once): the pool holds each graph's workspace for good, so it
+        counts against the same budget as the workspace of an uncaptured call."""
+        self.pool_bytes = self.pool_reserved()
+        if self.pool_limit is not None and self.pool_bytes > self.pool_limit:
+            self.say(f"the CUDA graphs' memory pool ({self.pool_bytes / 2**30:.2f} GiB) exceeds the workspace budget "
+                     f"({self.pool_limit / 2**30:.2f} GiB); calls run uncaptured")  # fmt: skip
+            self.graphs.clear()
+            self.pool, self.stopped = None, True
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
 
     def _failed(self, key, error) -> Graph:
         self.say(f"a call could not be captured as a CUDA graph ({type(error).__name__}: {error}); calls like it "
                  f"run uncaptured")  # fmt: skip
         return self._keep(key, Graph(None, [], None))
+
+    def pool_reserved(self) -> int:
+        segments = torch.cuda.memory_snapshot()
+        return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(self.pool))
 
     def _keep(self, key, entry: Graph) -> Graph:
         self.graphs[key] = entry

@@ -179,6 +179,8 @@ class FusedLinearGRPOLoss:
         inputs, value_faults = self._checked(inputs)
         tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
+        if captures is not None:  # the graphs' pool counts against the workspace budget (`capture.Captures`)
+            captures.pool_limit = self.logits_budget_bytes
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config)

@@ -44,7 +44,12 @@ class ReplayOnTheStaticInputs(capture.Captures):
                 for out, new in zip(pytree_leaves(outputs), pytree_leaves(fresh), strict=True):
                     out.copy_(new)
 
-        return self._keep(key, capture.Graph(Graph, static, outputs))
+        entry = self._keep(key, capture.Graph(Graph, static, outputs))
+        self._measure_pool()
+        return entry
+
+    def pool_reserved(self) -> int:  # what the static buffers would hold
+        return sum(t.numel() * t.element_size() for e in self.graphs.values() for t in pytree_leaves(e.outputs))
 
 
 POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
@@ -333,3 +338,18 @@ def test_the_work_sees_one_layout_in_every_call():
     for _ in range(3):
         assert torch.equal(captures.run("key", work, [expanded]), torch.full((6,), 2.0))
     assert len(set(seen)) == 1 and captures.replays == 2
+
+
+def test_a_pool_past_the_budget_stops_capture():
+    """The graphs' pool counts against the workspace budget: past it, the graphs are dropped and the calls run
+    uncaptured (said once), with the same values."""
+    captures = ReplayOnTheStaticInputs(pool_limit=8 * 4 - 1)  # one output of 8 float32 values: just too much
+    work = lambda t: t * 3
+    with pytest.warns(capture.CaptureNotice, match="memory pool .* exceeds the workspace budget"):
+        for i in range(4):
+            assert torch.equal(captures.run("key", work, [torch.full((8,), float(i))]), torch.full((8,), 3.0 * i))
+    assert captures.stopped and not captures.graphs
+    roomy = ReplayOnTheStaticInputs(pool_limit=8 * 4)
+    for i in range(3):
+        roomy.run("key", work, [torch.full((8,), float(i))])
+    assert roomy.replays == 2 and roomy.pool_bytes == 32
