@@ -52,6 +52,7 @@ class Captures:
         self.stopped = False
         self.said: set = set()
         self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
+        self.failures: list[str] = []  # why captures failed (their keys then run uncaptured)
 
     def applies_to(self, tensor) -> Captures | None:
         """These captures where a call on `tensor` can be captured (a GPU, or the stand-in's any device), else None:
@@ -115,6 +116,7 @@ class Captures:
                 torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
 
     def _failed(self, key, error) -> Graph:
+        self.failures.append(f"{key[0] if isinstance(key, tuple) else key}: {type(error).__name__}: {error}")
         self.say(f"a call could not be captured as a CUDA graph ({type(error).__name__}: {error}); calls like it "
                  f"run uncaptured")  # fmt: skip
         return self._keep(key, Graph(None, [], None))
