@@ -61,9 +61,10 @@ class Captures:
 
     def run(self, key, work, tensors: list):
         """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
-        # one layout for the warm-up, the capture and the replays: compiled tiles guard on their inputs' strides, and
-        # a recompile inside a capture (an expanded gradient whose static copy is dense, say) breaks the capture
-        tensors = [t.contiguous() for t in tensors]
+        # the same tensors for the warm-up, the capture and the replays: compiled tiles guard on their inputs' strides
+        # and requires_grad, and a recompile inside a capture breaks it (an expanded gradient whose static copy is
+        # dense, hidden states that require grad where their static copy does not); the work never needs autograd
+        tensors = [t.detach().contiguous() for t in tensors]
         if self.stopped:  # the pool outgrew its budget (`_measure_pool`)
             return work(*tensors)
         entry = self.graphs.get(key)

@@ -325,18 +325,19 @@ def test_captured_calls_without_grad_mode(schedule, context, monkeypatch):
 
 
 def test_the_work_sees_one_layout_in_every_call():
-    """An expanded input (a broadcast gradient, say) reaches the warm-up, the capture and the replays with the
-    same strides: compiled tiles guard on strides, and a recompile inside a capture would break it."""
+    """An expanded input (a broadcast gradient, say) and one that requires grad reach the warm-up, the capture and
+    the replays with the same strides and requires_grad: compiled tiles guard on both, and a recompile inside a
+    capture breaks it (seen on the H200)."""
     seen = []
 
-    def work(t):
-        seen.append(t.stride())
-        return t * 2
+    def work(t, u):
+        seen.append((t.stride(), t.requires_grad, u.requires_grad))
+        return t * 2 + u
 
     captures = ReplayOnTheStaticInputs()
-    expanded = torch.ones(1).expand(6)
+    expanded, leaf = torch.ones(1).expand(6), torch.zeros(6, requires_grad=True)
     for _ in range(3):
-        assert torch.equal(captures.run("key", work, [expanded]), torch.full((6,), 2.0))
+        assert torch.equal(captures.run("key", work, [expanded, leaf]), torch.full((6,), 2.0))
     assert len(set(seen)) == 1 and captures.replays == 2
 
 
