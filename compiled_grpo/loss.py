@@ -77,8 +77,6 @@ class FusedLinearGRPOLoss:
         self.config = GRPOLossConfig(**settings)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if schedule in ("speed", "sparse") and vocab_parallel_group is not None:
-            raise ValueError(f"schedule={schedule!r} does not support a vocabulary-parallel lm_head; use 'memory'")
         if schedule == "speed" and self.config.uses_entropy_mask:
             raise ValueError(
                 "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "

@@ -128,11 +128,21 @@ def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
 def partial_statistics_tile(x, local_targets, head: Head):
     """Vocabulary-parallel stats pass: (m, s, u, target logit) of one token tile against this rank's slice of
     the vocabulary, the target logit 0 where the target lies in another rank's slice (distributed.py combines)."""
-    z = tile_logits(x, head)
+    return _partial_fold(tile_logits(x, head), local_targets)
+
+
+def _partial_fold(z, local_targets):
     m, s, u = _fold(z)
     owned = (local_targets >= 0) & (local_targets < z.shape[-1])
     target = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     return m, s, u, torch.where(owned, target, 0.0)
+
+
+def partial_statistics_and_product_tile(x, local_targets, head: Head):
+    """`partial_statistics_tile` that also hands back the GEMM output x @ w.T of this rank's slice (the speed
+    schedule's vocabulary-parallel tile)."""
+    product = matmul_fp32(x, head.weight.T)
+    return _partial_fold(logits_from_product(product, head), local_targets) + (product,)
 
 
 def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:

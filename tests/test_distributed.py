@@ -205,6 +205,71 @@ def test_vocab_parallel_matches_unsharded_head():
     spawn(vocab_parallel_worker, 2, 11)
 
 
+# (schedule asked for, settings, the schedule that runs): the speed and sparse schedules on a vocabulary-parallel
+# head, and "auto" choosing among them as on one process
+VOCAB_PARALLEL_CASES = [
+    ("speed", {"loss_type": "dapo", "entropy_coef": 0.02}, "speed"),
+    ("speed", {"loss_type": "luspo", "importance_sampling_level": "sequence"}, "speed"),
+    ("speed", {"loss_type": "grpo", "off_policy_mask_threshold": 0.3}, "speed"),
+    ("sparse", {"loss_type": "dapo", "top_entropy_quantile": 0.5}, "sparse"),
+    ("sparse", {"loss_type": "vespo", "top_entropy_quantile": 0.2, "beta": 0.0}, "sparse"),
+    ("auto", {"loss_type": "cispo", "epsilon_high": 5.0}, "speed"),
+    ("auto", {"loss_type": "bnpo", "top_entropy_quantile": 0.5}, "sparse"),
+]
+
+
+def vocab_parallel_schedules_worker(rank, world, seed):
+    """Each rank holds a slice of the vocabulary (unequal slices); every schedule matches the unsharded head:
+    loss, log-probs, entropies, mask, metrics, and the gradients of hidden and of this rank's weight and bias rows
+    (half the rows at advantage 0, so the speed schedule's statistics-only tokens are crossed too)."""
+    x = whole_batch(1, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x["bias"] = torch.randn(V, generator=g, dtype=torch.float64)
+    x["advantages"][1] = 0.0
+    x["importance_sampling_ratio"] = torch.rand(B_PER_RANK, T, generator=g, dtype=torch.float64) + 0.5
+    head = {"temperature": 0.8, "final_logit_softcapping": 3.0, "max_completion_length": T}
+    cases = [(asked, {"beta": 0.04, **head, **s}, ran) for asked, s, ran in VOCAB_PARALLEL_CASES]
+    expected = [run_with_bias(reference_fn(s), x) for _, s, _ in cases]  # before any process group exists
+    init(rank, world)
+    try:
+        cut = [0, 15, V]
+        lo, hi = cut[rank], cut[rank + 1]
+        x = on_device(x)
+        mine = {**x, "weight": x["weight"][lo:hi], "bias": x["bias"][lo:hi]}
+        for (asked, s, ran), (ref, ref_grads) in zip(cases, expected, strict=True):
+            loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=asked, vocab_parallel_group=dist.group.WORLD,
+                                          **TILES, **s)  # fmt: skip
+            out, grads = run_with_bias(loss_fn, mine, vocab_start=lo)
+            what = f"rank {rank} {asked} {s['loss_type']}"
+            assert out.schedule == ran, f"{what}: ran {out.schedule}"
+            close(out.loss, ref.loss, f"{what} loss")
+            close(out.per_token_logps, ref.per_token_logps, f"{what} logp")
+            close(out.entropy, ref.entropy, f"{what} entropy")
+            if ref.entropy_mask is not None:
+                assert torch.equal(out.entropy_mask.cpu(), ref.entropy_mask), f"{what} entropy mask"
+            for name, value in ref.metrics.items():
+                close(out.metrics[name], value, f"{what} metric {name}")
+            close(grads["hidden"], ref_grads["hidden"], f"{what} hidden gradient")
+            close(grads["weight"], ref_grads["weight"][lo:hi], f"{what} weight gradient slice")
+            close(grads["bias"], ref_grads["bias"][lo:hi], f"{what} bias gradient slice")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_with_bias(fn, x: dict, **kw):
+    """`run` with the bias as a leaf too: (output, {hidden, weight, bias: gradient})."""
+    leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    rest = {k: v for k, v in x.items() if k not in (*leaves, "completion_ids", "completion_mask", "advantages")}
+    out = fn(leaves["hidden"], leaves["weight"], x["completion_ids"], x["completion_mask"], x["advantages"],
+             bias=leaves["bias"], **rest, **kw)  # fmt: skip
+    out.loss.backward()
+    return out, {k: v.grad for k, v in leaves.items()}
+
+
+def test_vocab_parallel_speed_and_sparse_schedules():
+    spawn(vocab_parallel_schedules_worker, 2, 17)
+
+
 def primitive_vocab_parallel_worker(rank, world, seed):
     """fused_linear_logprobs with each rank holding an equal slice of the vocabulary (as verl's
     `dist_process_group` has it, through the verl adapter's signature): the unsharded head's log-probs,
@@ -283,5 +348,7 @@ if __name__ == "__main__":  # the same comparisons over NCCL, one GPU per rank
     print(f"data parallel, 2 ranks, rank 1 without active tokens ({backend()}): matches one process")
     spawn(vocab_parallel_worker, 2, 11)
     print(f"vocabulary parallel, 2 ranks ({backend()}): matches the unsharded lm_head")
+    spawn(vocab_parallel_schedules_worker, 2, 17)
+    print(f"vocabulary parallel, speed and sparse schedules, 2 ranks ({backend()}): match the unsharded lm_head")
     spawn(dtensor_worker, 2, 5)
     print(f"DTensor (FSDP2) weight, 2 ranks ({backend()}): matches a plain weight, gradient in its layout")

@@ -19,8 +19,8 @@ SCHEDULES = ("auto", "speed", "memory", "sparse")
 
 
 def choose(requested: str, engine: Engine, objective, head, budget: int):
-    """(schedule module, its plan). The rule for "auto":
-    - a vocabulary-parallel lm_head: memory (the one schedule that combines the shards' statistics);
+    """(schedule module, its plan). The rule for "auto" (the same with a vocabulary-parallel lm_head, whose
+    workspace is its slice's):
     - top_entropy_quantile < 1: sparse (the threshold needs every entropy before any gradient; then only the
       masked-in tokens, and those the KL term or the bonus reach, need the gradient pass), or memory where
       sparse's workspace exceeds `budget` bytes;
@@ -30,7 +30,7 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
       (advantage 0 without KL or bonus: 2NHV + 6nHV for the n others), else memory (8NHV).
     An explicit schedule runs as asked (speed raises where a row that must stay whole does not fit)."""
     mask = objective.inputs.completion_mask
-    if requested == "memory" or (requested == "auto" and engine.shard.parallel):
+    if requested == "memory":
         return memory, memory.plan(engine, mask)
     if requested == "sparse" or (requested == "auto" and objective.cfg.uses_entropy_mask):
         plan = sparse.plan(engine, mask)

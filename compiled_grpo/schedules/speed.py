@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import capture, streaming, tiling
+from .. import capture, distributed, streaming, tiling
 from ..batch_objective import Objective
 from ..head import Head
 from ..streaming import RowGradients
@@ -157,12 +157,11 @@ def statistics_run(engine: Engine, objective: Objective, head: Head, plan: Speed
     inputs = objective.inputs
     ids = inputs.completion_ids
     flat = statistics_only_tokens(engine, objective, head.detached(), plan)
-    slots = passes.gather_slots(inputs.hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
+    slots = gather(engine, inputs, plan.gradient)
     dest = flat.destinations(plan.gradient)
     for s, n in plan.gradient.tiles:
-        logp, entropy, _, _ = engine.kernels.statistics_and_product(
-            slots.x[s : s + n], slots.targets[s : s + n], head.detached().rows(s, n)
-        )
+        logp, entropy, _, _ = tile_statistics(engine, slots.x[s : s + n], slots.targets[s : s + n],
+                                              head.detached().rows(s, n))  # fmt: skip
         flat.write(dest[s : s + n], logp, entropy)
     logp, entropy = flat.view(ids.shape)
     compiled = passes.compiles_objective(engine, inputs.hidden)
@@ -176,7 +175,7 @@ def statistics_only_tokens(engine: Engine, objective: Objective, detached: Head,
     hidden, ids = inputs.hidden, inputs.completion_ids
     flat = FlatStatistics(ids.numel(), streaming.stat_dtype(hidden), hidden.device)
     if plan.statistics_only is not None and plan.statistics_only.tiles:
-        slots = passes.gather_slots(hidden.detach(), ids, plan.statistics_only, rows=inputs.hidden_rows)
+        slots = gather(engine, inputs, plan.statistics_only)
         logp, entropy, _ = passes.statistics_pass(engine, slots.x, slots.targets, detached, slots.plan.tiles)
         flat.write(flat.destinations(plan.statistics_only), logp, entropy)
     return flat
@@ -199,15 +198,13 @@ def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedP
     hidden, ids = inputs.hidden, inputs.completion_ids
     detached = head.detached()
     flat = statistics_only_tokens(engine, objective, detached, plan)
-    slots = passes.gather_slots(hidden.detach(), ids, plan.gradient, rows=inputs.hidden_rows)
+    slots = gather(engine, inputs, plan.gradient)
     x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
     dest = flat.destinations(plan.gradient)
     grads = TokenOuterGradients(x, detached, tiles, plan.group, plan.buffered, call.wanted)
     norms = None
     for s, n in tiles:
-        logp, entropy, lse, product = engine.kernels.statistics_and_product(
-            x[s : s + n], targets[s : s + n], detached.rows(s, n)
-        )
+        logp, entropy, lse, product = tile_statistics(engine, x[s : s + n], targets[s : s + n], detached.rows(s, n))
         flat.write(dest[s : s + n], logp, entropy)
         # made after the first GEMM is queued, so the GPU does not wait while the host launches their kernels
         norms = objective.normalizers() if norms is None else norms
@@ -215,6 +212,7 @@ def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedP
         grads.add(engine.kernels, s, product, RowGradients(targets[s : s + n], lse, entropy, g_logp, g_entropy))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
+    distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
     logp, entropy = flat.view(ids.shape)
     loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms, compiled=call.compile_objective)
     d_hidden = None
@@ -225,6 +223,21 @@ def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedP
     d_weight = dw.to(head.weight.dtype) if call.wanted.weight else None
     d_bias = db.to(head.bias.dtype) if call.wanted.bias else None
     return loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias)
+
+
+def gather(engine: Engine, inputs, plan: TilePlan) -> passes.Slots:
+    """The plan's hidden rows and targets (relative to this rank's slice of the vocabulary)."""
+    hidden, ids = inputs.hidden.detach(), inputs.completion_ids
+    return passes.gather_slots(hidden, ids, plan, engine.shard.start, inputs.hidden_rows)
+
+
+def tile_statistics(engine: Engine, x, targets, head: Head):
+    """(logp, entropy, lse, GEMM output) of a token tile; with a vocabulary-parallel lm_head, the statistics of
+    every rank's slice combined (one reduction over the group per tile) and the output of this rank's slice."""
+    if not engine.shard.parallel:
+        return engine.kernels.statistics_and_product(x, targets, head)
+    *partial, product = engine.kernels.partial_statistics_and_product(x, targets, head)
+    return (*distributed.combine_vocab_shards(*partial, engine.shard.group), product)
 
 
 def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, call: GradientCall):
