@@ -250,7 +250,8 @@ ONE_PROCESS_GROUP = object()
         ({}, {"logits_budget_bytes": 1 << 10}, "memory"),  # ... and not a 1 KiB one
         ({"top_entropy_quantile": 0.5}, {}, "sparse"),  # the threshold needs every entropy first
         ({"top_entropy_quantile": 0.5}, {"logits_budget_bytes": 1 << 10}, "memory"),
-        ({}, {"vocab_parallel_group": ONE_PROCESS_GROUP}, "memory"),
+        ({}, {"vocab_parallel_group": ONE_PROCESS_GROUP}, "speed"),  # a vocabulary-parallel head: the same rule
+        ({"top_entropy_quantile": 0.5}, {"vocab_parallel_group": ONE_PROCESS_GROUP}, "sparse"),
     ],
 )
 def test_auto_schedule_choice(settings, options, expected, monkeypatch):
