@@ -151,9 +151,18 @@ class Objective:
     The batch tensors are made when first needed: on the GPU the schedules queue their first GEMM before
     these small kernels, so the GPU does not idle while the host launches them."""
 
-    def __init__(self, cfg: GRPOLossConfig, inputs, step: Step, group=None):
+    def __init__(self, cfg: GRPOLossConfig, inputs, step: Step, group=None, sequence_slices=None):
         self.cfg, self.inputs, self.step, self.group = cfg, inputs, step, group
+        # `sequence_parallel.SequenceSlices` when the sequences are split across ranks, None otherwise
+        self.sequence_slices = sequence_slices
         self.dtype = torch.float64 if inputs.hidden.dtype == torch.float64 else torch.float32
+
+    def over_whole_sequences(self) -> Objective:
+        """The objective of the sequences whose positions the ranks of `sequence_slices` share (their per-token
+        inputs gathered), equal on every rank of that group."""
+        from .sequence_parallel import gathered_inputs
+
+        return Objective(self.cfg, gathered_inputs(self.inputs, self.sequence_slices), self.step, self.group)
 
     @functools.cached_property
     def batch(self) -> Batch:

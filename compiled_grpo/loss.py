@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, faults, schedules, validation
+from . import distributed, faults, schedules, sequence_parallel, validation
 from .batch_objective import Objective, Step
 from .capture import Captures
 from .config import SETTING_NAMES, GRPOLossConfig
@@ -70,6 +70,7 @@ class FusedLinearGRPOLoss:
         logits_budget_bytes: int = 6 << 30,
         process_group=None,
         vocab_parallel_group=None,
+        sequence_parallel_group=None,
         capture: bool = False,
         **settings,
     ):
@@ -90,10 +91,14 @@ class FusedLinearGRPOLoss:
         self.schedule, self.validate = schedule, validate
         self.tile_overrides = {k: v for k, v in knobs.items() if v is not None}
         self.logits_budget_bytes = logits_budget_bytes
-        # Vocabulary-parallel ranks hold the same tokens: their batch reductions stay local unless a
+        if sequence_parallel_group is not None and (vocab_parallel_group is not None or schedule == "speed"):
+            raise ValueError("sequence_parallel_group: not with a vocab_parallel_group, nor with "
+                             "schedule='speed' (its tiles need every token of a sequence)")  # fmt: skip
+        # Vocabulary- and sequence-parallel ranks hold the same sequences: their batch reductions stay local unless a
         # data-parallel group is given.
-        if process_group is None and vocab_parallel_group is not None:
+        if process_group is None and (vocab_parallel_group is not None or sequence_parallel_group is not None):
             process_group = distributed.LOCAL
+        self.sequence_group = sequence_parallel_group
         self.process_group = process_group
         self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
         self.kernels = Kernels(compiled)
@@ -153,6 +158,9 @@ class FusedLinearGRPOLoss:
             ref_bias=ref_bias,
         ).with_constants_detached()
         validation.check_devices(given)
+        if segment_ids is not None and self.sequence_group is not None:
+            raise ValueError("segment_ids: a packed call does not take a sequence_parallel_group; pass each rank's "
+                             "slice of the padded [B, T] batch")  # fmt: skip
         inputs, packing = lay_out(given, (segment_ids, num_sequences, row_index), self.validate)
         inputs = inputs.under_autocast()
         if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
@@ -182,7 +190,10 @@ class FusedLinearGRPOLoss:
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config)
-        objective = Objective(self.config, inputs, step, self.process_group)
+        slices = None
+        if sequence_parallel.active(self.sequence_group):
+            slices = sequence_parallel.SequenceSlices.of(self.sequence_group, inputs.completion_mask)
+        objective = Objective(self.config, inputs, step, self.process_group, slices)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
         # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host

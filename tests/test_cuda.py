@@ -218,8 +218,6 @@ def captured_against_uncaptured_on_gpu(schedule, settings, seed, **inputs):
             assert (ref.entropy.cpu()[flipped] - tau).abs().max() <= 1e-5, "entropy mask differs off the threshold"
             override = {"entropy_mask_override": a.entropy_mask}
             ref, ref_grads = run_reference(x, settings, num_items_in_batch=1000 + i, **override)
-        print(f"call {i}: logp {max_error(a.per_token_logps, ref.per_token_logps):.2e}, entropy "
-              f"{max_error(a.entropy, ref.entropy):.2e}, loss {a.loss.item():.6e} vs {ref.loss.item():.6e}")
         assert_matches(a, a_grads, ref, ref_grads, rtol=1e-4)
     assert not captured.captures.failures, captured.captures.failures
     return captured.captures

@@ -5,7 +5,9 @@ types whose normalizer spans the whole batch, the loss averaged over ranks, the 
 ranks (what DDP does) and each rank's hidden gradient divided by P match the single process; bnpo normalizes per
 rank by definition, so each rank matches the reference on its own shard with the global entropy threshold. The
 entropy mask and the metrics are the global ones everywhere. Vocabulary parallel: two ranks each holding half
-of the lm_head match the unsharded loss. An FSDP2-style DTensor weight matches a plain one.
+of the lm_head match the unsharded loss, on every schedule. Sequence parallel: ranks holding slices of every
+sequence's positions (alone, and beside data-parallel ranks) match the unsplit batch. An FSDP2-style DTensor
+weight matches a plain one.
 """
 
 from __future__ import annotations
@@ -270,6 +272,88 @@ def test_vocab_parallel_speed_and_sparse_schedules():
     spawn(vocab_parallel_schedules_worker, 2, 17)
 
 
+SEQUENCE_PARALLEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+
+
+def sequence_parallel_cases(data_parallel: bool):
+    """Every loss type at token and sequence level, q = 1 and 0.5 alternating; the off-policy mask with vLLM's
+    sampling log-probs on grpo and dapo; the entropy bonus; the schedule each case asks for. With data-parallel
+    ranks too, the ones whose data-parallel loss is the whole batch's (bnpo and the bonus normalize per rank)."""
+    out = []
+    for i, (loss_type, level) in enumerate((lt, lv) for lt in SEQUENCE_PARALLEL_LOSSES for lv in ("token", "sequence")):
+        if data_parallel and loss_type == "bnpo":
+            continue
+        coef = 0.0 if data_parallel else 0.01
+        s = {**settings(loss_type, 1.0 if i % 2 else 0.5), "importance_sampling_level": level, "entropy_coef": coef}
+        if loss_type == "cispo":
+            s["epsilon_high"] = 5.0
+        if loss_type in ("grpo", "dapo"):
+            s["off_policy_mask_threshold"] = 0.2
+        out.append((s, ("auto", "memory", "sparse")[i % 3]))
+    return out
+
+
+def sequence_parallel_worker(rank, world, seed, data_ranks):
+    """`world` ranks: `data_ranks` data-parallel groups of `world // data_ranks` sequence-parallel ranks, each
+    holding a contiguous, unequal slice of every position of its group's sequences. Against one process on the
+    whole batch: the loss on every rank (averaged over the data-parallel ranks), log-probs, entropies, the
+    entropy mask and the hidden-state gradient at each rank's positions (over the data-parallel ranks, as DDP
+    averages), the metrics, and the weight gradient summed over the sequence-parallel ranks (averaged over the
+    data-parallel ones)."""
+    sp = world // data_ranks
+    x = whole_batch(data_ranks, seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    noise = torch.randn(x["old_per_token_logps"].shape, generator=g, dtype=torch.float64)
+    x["sampling_per_token_logps"] = x["old_per_token_logps"] + noise * 0.3
+    x["importance_sampling_ratio"] = torch.rand(x["advantages"].shape[0], T, generator=g, dtype=torch.float64) + 0.5
+    cases = sequence_parallel_cases(data_ranks > 1)
+    single = [run(reference_fn(s), x) for s, _ in cases]  # before any process group exists
+    init(rank, world)
+    try:
+        d, r = divmod(rank, sp)
+        sp_groups = [dist.new_group(list(range(k * sp, (k + 1) * sp))) for k in range(data_ranks)]
+        dp_groups = [dist.new_group(list(range(j, world, sp))) for j in range(sp)]
+        cuts = [0, 2, 6, T] if sp == 3 else [0, 4, T]
+        cols = slice(cuts[r], cuts[r + 1])
+        rows = slice(d * B_PER_RANK, (d + 1) * B_PER_RANK)
+        mine = {k: (v if k == "weight" else v[rows] if v.dim() == 1 else v[rows, cols]) for k, v in x.items()}
+        mine = on_device(mine)
+        for (s, schedule), (ref, ref_dh, ref_dw) in zip(cases, single, strict=True):
+            groups = {
+                "sequence_parallel_group": sp_groups[d],
+                "process_group": dp_groups[r] if data_ranks > 1 else None,
+            }
+            loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **groups, **TILES, **s)
+            out, dh, dw = run(loss_fn, mine)
+            what = f"rank {rank} {s['loss_type']} {s['importance_sampling_level']} q={s['top_entropy_quantile']}"
+            close(mean_over(out.loss.detach(), dp_groups[r]), ref.loss, f"{what} loss")
+            close(out.per_token_logps, ref.per_token_logps[rows, cols], f"{what} logp")
+            close(out.entropy, ref.entropy[rows, cols], f"{what} entropy")
+            if ref.entropy_mask is not None:
+                assert torch.equal(out.entropy_mask.cpu(), ref.entropy_mask[rows, cols]), f"{what} entropy mask"
+            for name, value in ref.metrics.items():
+                close(out.metrics[name], value, f"{what} metric {name}")
+            close(dh / data_ranks, ref_dh[rows, cols], f"{what} hidden gradient")
+            close(mean_over(sum_over(dw, sp_groups[d]), dp_groups[r]), ref_dw, f"{what} weight gradient")
+    finally:
+        dist.destroy_process_group()
+
+
+def sum_over(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def mean_over(t: torch.Tensor, group) -> torch.Tensor:
+    return sum_over(t, group) / dist.get_world_size(group)
+
+
+@pytest.mark.parametrize("world, data_ranks", [(3, 1), (4, 2)], ids=["3 sequence ranks", "2 x 2 data x sequence"])
+def test_sequence_parallel_matches_one_process(world, data_ranks):
+    spawn(sequence_parallel_worker, world, 19, data_ranks)
+
+
 def primitive_vocab_parallel_worker(rank, world, seed):
     """fused_linear_logprobs with each rank holding an equal slice of the vocabulary (as verl's
     `dist_process_group` has it, through the verl adapter's signature): the unsharded head's log-probs,
@@ -352,3 +436,5 @@ if __name__ == "__main__":  # the same comparisons over NCCL, one GPU per rank
     print(f"vocabulary parallel, speed and sparse schedules, 2 ranks ({backend()}): match the unsharded lm_head")
     spawn(dtensor_worker, 2, 5)
     print(f"DTensor (FSDP2) weight, 2 ranks ({backend()}): matches a plain weight, gradient in its layout")
+    spawn(sequence_parallel_worker, 2, 19, 1)
+    print(f"sequence parallel, 2 ranks ({backend()}): every loss type and IS level matches the unsplit batch")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from cases import TILES, assert_matches, make_inputs, run_fused, run_reference
 
+from audits.harness import pack
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, GRPOLossConfig, fused_linear_grpo_loss, schedules
 from compiled_grpo.loss import CONSTRUCTOR_OPTIONS
 
@@ -315,6 +316,7 @@ OPTION_VALUES = {
     "logits_budget_bytes": 1 << 20,
     "process_group": ONE_PROCESS_GROUP,
     "vocab_parallel_group": ONE_PROCESS_GROUP,
+    "sequence_parallel_group": ONE_PROCESS_GROUP,  # no process group: the single-process loss
     "capture": True,  # on a CPU, calls run as without it
 }
 
@@ -354,3 +356,18 @@ def test_the_output_names_the_schedule_that_ran(settings, schedule, expected):
     args = [x[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
     if schedule == "auto":
         assert budget(*args, old_per_token_logps=x["old_per_token_logps"]).schedule == "memory"
+
+
+def test_sequence_parallel_refusals():
+    """A sequence-parallel loss says what it does not take: the speed schedule (a tile needs every token of a
+    sequence), a vocabulary-parallel head, a packed call."""
+    with pytest.raises(ValueError, match="schedule='speed'"):
+        FusedLinearGRPOLoss(schedule="speed", sequence_parallel_group=ONE_PROCESS_GROUP)
+    with pytest.raises(ValueError, match="vocab_parallel_group"):
+        FusedLinearGRPOLoss(sequence_parallel_group=ONE_PROCESS_GROUP, vocab_parallel_group=ONE_PROCESS_GROUP)
+    x = make_inputs(dtype=torch.float64)
+    packed = pack(x)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, sequence_parallel_group=ONE_PROCESS_GROUP, **TILES)
+    args = [packed.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    with pytest.raises(ValueError, match="segment_ids: a packed call does not take a sequence_parallel_group"):
+        loss_fn(*args, **packed)

@@ -21,6 +21,7 @@ SCHEDULES = ("auto", "speed", "memory", "sparse")
 def choose(requested: str, engine: Engine, objective, head, budget: int):
     """(schedule module, its plan). The rule for "auto" (the same with a vocabulary-parallel lm_head, whose
     workspace is its slice's):
+    - sequences split across ranks (`sequence_parallel_group`): as below, without the speed schedule;
     - top_entropy_quantile < 1: sparse (the threshold needs every entropy before any gradient; then only the
       masked-in tokens, and those the KL term or the bonus reach, need the gradient pass), or memory where
       sparse's workspace exceeds `budget` bytes;
@@ -37,6 +38,11 @@ def choose(requested: str, engine: Engine, objective, head, budget: int):
         if requested == "sparse" or sparse.workspace_bytes(engine, plan, head) <= budget:
             return sparse, plan
         return memory, plan  # the same token plan
+    if objective.sequence_slices is not None:  # sequences split across ranks: no row is whole in a speed tile
+        if requested == "speed":
+            raise ValueError("schedule='speed' does not take a sequence_parallel_group (its tiles need every token of "
+                             "a sequence); use 'memory', 'sparse' or 'auto'")  # fmt: skip
+        return without_speed(engine, objective)
     lean = requested == "auto" and speed.workspace_bound(engine, head) > budget
     if lean and speed.workspace_bound(engine, head, lean=True) > budget:
         # Smaller speed tiles would fit such budgets, but each adds a GEMM into the float32 [V, H] dW sum: in the

@@ -18,6 +18,7 @@ import torch
 from .. import quantile, tiling
 from ..batch_objective import Objective
 from ..head import Head
+from ..sequence_parallel import GatheredPositions
 from ..streaming import RowGradients
 from ..tiling import TilePlan
 from . import passes
@@ -94,14 +95,22 @@ def statistics_then_objective(function, engine: Engine, objective: Objective, he
     """The loss of the batch: statistics of every active token, the objective on [B,T] (the entropy threshold
     included), gradients by `function`'s backward."""
     inputs = objective.inputs
-    mask = objective.batch.mask
+    shape = inputs.completion_mask.shape
     logp, entropy = stream_statistics(function, engine, inputs, plan, head)
-    logp, entropy = logp.view(mask.shape), entropy.view(mask.shape)
+    logp, entropy = logp.view(shape), entropy.view(shape)
+    active, slices = plan.active, objective.sequence_slices
+    if slices is not None:  # sequences split across ranks: the objective over the whole sequences
+        logp, entropy = (GatheredPositions.apply(t, slices) for t in (logp, entropy))
+        objective, active = objective.over_whole_sequences(), None
+    mask = objective.batch.mask
     entropy_mask = None
     if objective.cfg.uses_entropy_mask:
         q = objective.cfg.top_entropy_quantile
-        entropy_mask = quantile.high_entropy_mask(entropy, mask, q, objective.group, active=plan.active)
+        entropy_mask = quantile.high_entropy_mask(entropy, mask, q, objective.group, active=active)
     em = None if entropy_mask is None else entropy_mask.to(mask.dtype)
     compiled = passes.compiles_objective(engine, inputs.hidden)
     loss, metrics = objective.loss_and_metrics(logp, entropy, em, compiled=compiled)
-    return loss, metrics, logp.detach(), entropy.detach(), entropy_mask
+    outputs = (logp.detach(), entropy.detach(), entropy_mask)
+    if slices is not None:  # this rank's positions
+        outputs = tuple(None if t is None else t[:, slices.local] for t in outputs)
+    return loss, metrics, *outputs
