@@ -38,8 +38,8 @@ class Faults:
         self.errors.append(error)
 
     def issue(self) -> Faults:
-        """Start the copy of every flag to the host (no wait on a GPU)."""
-        if not self.flags:
+        """Start the copy of every flag to the host (no wait on a GPU); once."""
+        if not self.flags or self.host is not None:
             return self
         values = torch.stack([torch.stack(self.flags), torch.stack(self.details)])
         if values.is_cuda:
