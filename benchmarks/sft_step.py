@@ -1,0 +1,103 @@
+"""An SFT step as TRL's SFTTrainer takes it: its fused LM head (TRL 1.16's chunked log-prob head, which the trainer
+always uses) against the same trainer inside `compiled_fused_head()` (this library's primitive), and with
+`capture=True`; `compute_loss` (the model's forward included) + backward, time and peak memory, every method of
+a model in one process, taking turns round by round (`benchmarks.trl_step.timed`).
+
+Models: `benchmarks.trl_step`'s Qwen2.5 shapes with random bf16 weights; micro-batches of 8 sequences of 1088
+tokens (a 64-token prompt whose labels are -100, then 1024 trained tokens).
+
+    python -m benchmarks.sft_step --model 0.5B [--methods trl,compiled,captured] [--repeats 13] [--out DIR]
+
+Writes `sft-step-<model>.json` (rows as `benchmarks.trl_step`'s); `--model tiny` runs on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from benchmarks import trl_step
+from compiled_grpo.integrations.trl import compiled_fused_head
+
+METHODS = {  # name: the context the step runs in
+    "trl": contextlib.nullcontext,
+    "compiled": compiled_fused_head,
+    "captured": lambda: compiled_fused_head(capture=True),
+}
+
+
+def make_trainer(model, size: int, on_gpu: bool) -> SFTTrainer:
+    args = SFTConfig(output_dir="/tmp/sft-step", per_device_train_batch_size=size, report_to=[], save_strategy="no",
+                     bf16=on_gpu, use_cpu=not on_gpu)  # fmt: skip
+    data = Dataset.from_dict({"prompt": ["a"] * size, "completion": ["a"] * size})
+    return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=trl_step.tokenizer())
+
+
+def micro_batch(vocab: int, device, B: int, P=64, C=1024, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, P + C), generator=g)
+    labels = ids.clone()
+    labels[:, :P] = -100  # the prompt is not trained on
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def sft_step(trainer: SFTTrainer, inputs: dict, context):
+    def step():
+        with context(), trainer.accelerator.autocast():
+            loss = trainer.compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+
+    return step
+
+
+def loss_of(trainer: SFTTrainer, inputs: dict, context) -> float:
+    with torch.no_grad(), context(), trainer.accelerator.autocast():
+        return float(trainer.compute_loss(trainer.model, dict(inputs)))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(trl_step.QWEN), default="0.5B")
+    ap.add_argument("--size", type=int, default=8)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {list(METHODS)}")
+    ap.add_argument("--repeats", type=int, default=13, help="rounds; each runs every method once")
+    ap.add_argument("--out", default="benchmark-results")
+    args = ap.parse_args(argv)
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; methods: {list(METHODS)}")
+    on_gpu = torch.cuda.is_available() and args.model != "tiny"
+    device = "cuda" if on_gpu else "cpu"
+    model, vocab, completion = trl_step.make_model(args.model, device)
+    trainer = make_trainer(model, args.size, on_gpu)
+    inputs = micro_batch(vocab, device, args.size, C=completion)
+    shape = f"{args.model} SFT x{args.size}"
+    steps = {name: sft_step(trainer, inputs, METHODS[name]) for name in args.methods.split(",")}
+    losses = {name: loss_of(trainer, inputs, METHODS[name]) for name in steps}
+    print("losses (the methods compute the same step):", json.dumps(losses), flush=True)
+    reset = lambda: model.zero_grad(set_to_none=True)
+    rows = []
+    for method, measured in trl_step.timed(steps, args.repeats, on_gpu, reset).items():
+        row = {"shape": shape, "model": args.model, "size": args.size, "method": method, "loss": losses[method]}
+        if isinstance(measured, str):
+            row["status"] = measured
+        else:
+            row["ms"], row["peak_gib"], row["held_gib"] = measured
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
+                "repeats": args.repeats}  # fmt: skip
+    (out / f"sft-step-{args.model}.json").write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
