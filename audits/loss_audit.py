@@ -36,11 +36,12 @@ class LossCell:
     mode: str  # "eager" | "compiled" | "captured" (compiled, its work as CUDA graph replays: GPU only)
     schedule: str  # "memory" | "speed" | "sparse"
     batch: str = "random"  # "random" advantages, beta, bonus | "groups": GRPO groups, half tied | "packed"
+    rounded: bool = False  # round_logits=True: the lm_head product rounded to bf16 before the softmax, as TRL's head
 
     @property
     def name(self) -> str:
         name = f"{self.loss_type:7s} {self.level:8s} q={self.q:<3} {self.dtype:8s} {self.mode:8s} {self.schedule:6s}"
-        return name + ("" if self.batch == "random" else f" {self.batch}")
+        return name + ("" if self.batch == "random" else f" {self.batch}") + (" rounded" if self.rounded else "")
 
     def settings(self, T: int) -> dict:
         # groups: beta 0 and no bonus, where zero-advantage and masked-out tokens have no gradient at all
@@ -65,7 +66,8 @@ def schedules(q: float) -> tuple[str, ...]:
 def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "compiled")) -> list[LossCell]:
     """Every loss type x level x q x dtype x mode x valid schedule on random batches (captured: q in 1 and 0.2);
     and on GRPO groups (half of them at advantage 0), q in (1, 0.5, 0.2), the schedules that skip work (speed,
-    sparse), eager."""
+    sparse), eager; and `round_logits=True` (bfloat16, token level, q in 1 and 0.2, eager, on-policy), beside the
+    default float32 product's cells."""
     out = []
     for loss_type, level, q, dtype, mode in itertools.product(
         loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
@@ -76,6 +78,10 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
         for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, dtypes):
             skipping = tuple(s for s in schedules(q) if s != "memory")
             out += [LossCell(loss_type, level, q, dtype, "eager", schedule, "groups") for schedule in skipping]
+        if "bfloat16" in dtypes:
+            for loss_type, q in itertools.product(loss_types, CAPTURED_QUANTILES):
+                out += [LossCell(loss_type, "token", q, "bfloat16", "eager", schedule, rounded=True)
+                        for schedule in schedules(q)]  # fmt: skip
         # packed (padding-free) batches against the reference's packed entry, one cell per loss type and schedule
         for loss_type, schedule in itertools.product(loss_types, ("speed", "sparse")):
             level = "sequence" if loss_type == "luspo" else "token"
@@ -136,7 +142,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return harness.relative_error(a, b, tolerances.FLOOR)
 
 
-def compare_masks(out, ref, mask, q: float, dtype: str, result: CellResult) -> bool:
+def compare_masks(out, ref, mask, q: float, on_threshold_within: float, result: CellResult) -> bool:
     """Record mask agreement; True when the masks differ only at tokens on the threshold (the reference is
     then re-run with the fused mask so the rest of the cell compares like with like)."""
     if ref.entropy_mask is None:
@@ -149,7 +155,7 @@ def compare_masks(out, ref, mask, q: float, dtype: str, result: CellResult) -> b
         return False
     tau = float(reference_threshold(ref.entropy, mask.bool(), q))
     distance = (ref.entropy.cpu()[diff] - tau).abs() / max(1.0, abs(tau))
-    on_threshold = bool((distance <= tolerances.MASK_ON_THRESHOLD[dtype]).all())
+    on_threshold = bool((distance <= on_threshold_within).all())
     result.notes.append(
         f"{flips} token(s) on the other side of the threshold, max distance {float(distance.max()):.1e} "
         f"({'within rounding' if on_threshold else 'NOT within rounding'})"
@@ -158,30 +164,48 @@ def compare_masks(out, ref, mask, q: float, dtype: str, result: CellResult) -> b
     return on_threshold
 
 
+def check_bound(cell: LossCell, base: float, naive_value, ref_value) -> float:
+    """A check's bound: `base`; with round_logits, no further from the float64 truth than plain bf16 autograd
+    (the same rounding of the logits), plus a slack."""
+    return relative_error(naive_value, ref_value) + tolerances.ROUNDED_SLACK if cell.rounded else base
+
+
 def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
     settings = cell.settings(size.T)
     result = CellResult("loss", cell.name, params={**cell.__dict__})
     captured = cell.mode == "captured"
-    loss_fn = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, capture=captured, **settings)
+    loss_fn = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, capture=captured,
+                                  round_logits=cell.rounded, **settings)  # fmt: skip
     run_reference = harness.run_reference
     if cell.batch == "packed":  # the active tokens alone, one sequence per row, the empty row kept
         x, run_reference = harness.pack(x), harness.run_packed_reference
+    if cell.rounded:  # on-policy: the clip bounds are jumps that bf16-rounded log-probs cross legitimately
+        x = {k: v for k, v in x.items() if k != "old_per_token_logps"}
     fn = harness.after_warm_ups(loss_fn, lambda out: out.loss.backward()) if captured else loss_fn
     out, grads = harness.run_fused(fn, x)
     if captured:  # the checked call was a replay: its work ran as CUDA graphs
         result.check("ran as a CUDA graph replay", float(loss_fn.captures.replays == 0), 0.0)
     ref, ref_grads = run_reference(x, settings)
-    if compare_masks(out, ref, x["completion_mask"], cell.q, cell.dtype, result):
+    naive, naive_grads = harness.run_naive_bf16(x, settings) if cell.dtype == "bfloat16" else (None, None)
+    within = tolerances.MASK_ON_THRESHOLD[cell.dtype]
+    if cell.rounded:  # rounded entropies: a flip within their rounding of the threshold is legitimate
+        within = relative_error(naive.entropy, ref.entropy) + tolerances.ROUNDED_SLACK
+    if compare_masks(out, ref, x["completion_mask"], cell.q, within, result):
         ref, ref_grads = run_reference(x, settings, entropy_mask_override=out.entropy_mask)
+        if cell.rounded:
+            naive, naive_grads = harness.run_naive_bf16(x, {**settings, "entropy_mask_override": out.entropy_mask})
     tol = tolerances.for_dtype(cell.dtype)
-    result.check("loss", relative_error(out.loss, ref.loss), tol["loss"])
+    bound = lambda base, naive_value, ref_value: check_bound(cell, base, naive_value, ref_value)
+    result.check("loss", relative_error(out.loss, ref.loss), bound(tol["loss"], naive and naive.loss, ref.loss))
     missing = set(ref.metrics) ^ set(out.metrics)
     result.check("metric names", float(len(missing)), 0.0)
     for name in sorted(set(ref.metrics) & set(out.metrics)):
-        result.check(f"metric {name}", relative_error(out.metrics[name], ref.metrics[name]), tol["metric"])
-    result.check("logp", relative_error(out.per_token_logps, ref.per_token_logps), tol["logp"])
-    result.check("entropy", relative_error(out.entropy, ref.entropy), tol["entropy"])
-    naive_grads = harness.run_naive_bf16(x, settings)[1] if cell.dtype == "bfloat16" else None
+        limit = bound(tol["metric"], naive and naive.metrics.get(name), ref.metrics[name])
+        result.check(f"metric {name}", relative_error(out.metrics[name], ref.metrics[name]), limit)
+    logp_limit = bound(tol["logp"], naive and naive.per_token_logps, ref.per_token_logps)
+    result.check("logp", relative_error(out.per_token_logps, ref.per_token_logps), logp_limit)
+    entropy_limit = bound(tol["entropy"], naive and naive.entropy, ref.entropy)
+    result.check("entropy", relative_error(out.entropy, ref.entropy), entropy_limit)
     for k in harness.HEAD:
         err = relative_error(grads[k], ref_grads[k])
         if naive_grads is None:
@@ -191,6 +215,14 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
             bound = min(naive + tolerances.BF16_GRADIENT_SLACK, tolerances.BF16_GRADIENT_CEILING)
         result.check(f"d {k}", err, bound)
     result.params["errors"] = {c.what: c.error for c in result.checks}
+    if cell.rounded:  # beside the default float32 product on the same batch
+        default = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, **settings)
+        d_out, d_grads = harness.run_fused(default, x)
+        errors = {"logp": relative_error(d_out.per_token_logps, ref.per_token_logps),
+                  "entropy": relative_error(d_out.entropy, ref.entropy), "loss": relative_error(d_out.loss, ref.loss),
+                  **{f"d {k}": relative_error(d_grads[k], ref_grads[k]) for k in harness.HEAD}}  # fmt: skip
+        result.notes.append("default float32 product on this batch: " + ", ".join(f"{k} {v:.1e}" for k, v in
+                                                                                   errors.items()))  # fmt: skip
     return result
 
 

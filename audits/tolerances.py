@@ -41,6 +41,12 @@ BF16_GRADIENT_SLACK = 2e-3
 # element) before float32-accumulated GEMMs gives a few times 2**-8 at most.
 BF16_GRADIENT_CEILING = 1.5e-2
 
+# round_logits=True (the product rounded to bf16 before the softmax, as TRL's head and plain torch): its statistics
+# carry bf16's rounding of every logit (2**-8 relative), so every quantity is held to the three-way bound, no
+# further from the float64 truth than plain full-logits bf16 autograd (the same rounding) plus this of the scale;
+# a token may cross the entropy threshold where its entropy lies within that rounding of it.
+ROUNDED_SLACK = 2e-3
+
 # An entropy-mask difference is legitimate only for a token whose entropy lies within rounding of the
 # threshold: float32 statistics (fp32 and bf16 runs alike) put ~1e-6 relative error on each entropy.
 MASK_ON_THRESHOLD = {"float32": 1e-5, "bfloat16": 1e-4}

@@ -26,6 +26,9 @@ class Head(NamedTuple):
     # [slots] 1 / temperature of each row, in place of values[INV_TEMP] (a per-token or per-sequence temperature
     # of `fused_linear_logprobs`); None: one temperature for every row
     row_inv_temp: torch.Tensor | None = None
+    # the GEMM's product rounded to the inputs' dtype before the softmax (`round_logits`: TRL's head and plain torch
+    # do so), read at 2 bytes per logit instead of 4; False: float32, the default
+    rounded: bool = False
 
     def rows(self, start: int, size: int) -> Head:
         """The head as slots start..start + size see it (their per-row temperatures)."""
@@ -42,11 +45,11 @@ class Head(NamedTuple):
         return self._replace(weight=self.weight.detach(), bias=bias)
 
 
-def make_head(weight, bias, cfg, dtype) -> Head:
+def make_head(weight, bias, cfg, dtype, rounded: bool = False) -> Head:
     """The head of a loss config (logit_scale, temperature, final_logit_softcapping)."""
     cap = cfg.final_logit_softcapping
     values = device_constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, weight.device)
-    return Head(weight, bias, values, cap is not None)
+    return Head(weight, bias, values, cap is not None, rounded=rounded)
 
 
 @functools.cache

@@ -70,6 +70,7 @@ def fused_linear_logprobs(
     vocab_parallel_group=None,
     vocab_start: int = 0,
     capture: bool = False,
+    round_logits: bool = False,
     **tiles: int,
 ) -> LogProbs:
     """(logp, entropy) of `targets` under the lm_head, float32, shaped like `targets` (see the module's docstring).
@@ -81,13 +82,14 @@ def fused_linear_logprobs(
     `entropy=False` returns None for it and its backward forms no entropy term. `compiled=False` runs the same
     tile functions eagerly. `validate=False` skips the checks that read values back to the host (ids in range,
     finite temperatures, finite statistics). `capture=True` (experimental, GPU): the statistics pass and the
-    backward's gradient pass as CUDA graph replays (`capture.Captures`, one set per process). Tile sizes:
+    backward's gradient pass as CUDA graph replays (`capture.Captures`, one set per process). `round_logits=True`:
+    the lm_head product rounded to the inputs' 16-bit dtype before the softmax, as TRL's head does. Tile sizes:
     token_tile, tail_tile, vocab_tile, stats_rows, sparse_tile (`tiling.Tiles`, defaults by device). Under
     autocast the GEMMs run in the autocast dtype.
     """
     validation.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
-                      vocab_parallel_group, vocab_start, tiles, capture)  # fmt: skip
+                      vocab_parallel_group, vocab_start, tiles, capture, round_logits)  # fmt: skip
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
     function = memory.StatisticsThenRecompute if parallel else sparse.StatisticsThenSparseGradients
@@ -178,6 +180,7 @@ class Options(NamedTuple):
     vocab_start: int
     tiles: dict
     capture: bool = False
+    round_logits: bool = False
 
 
 def prepare(hidden, weight, targets, bias, o: Options) -> Call:
@@ -196,7 +199,7 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     PRIMITIVE_DEFERRED.raise_pending()
     value_faults.raise_first()
     head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)
-    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape)
+    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape)._replace(rounded=o.round_logits)
     if head.row_inv_temp is not None:
         head = head._replace(row_inv_temp=to_slots(head.row_inv_temp, plan, fill=None))
     stream = Targets(hidden.reshape(-1, hidden.shape[-1]), flat_targets.masked_fill(~valid, 0))

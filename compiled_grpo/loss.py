@@ -51,7 +51,9 @@ class FusedLinearGRPOLoss:
     in range, finite inputs and statistics: reductions on the device, read back where the host waits anyway; on
     a GPU the check of a call's statistics is raised at the next call or by `check()`). Tile sizes
     (`tiling.Tiles`) default by device; `logits_budget_bytes` bounds the workspace of the speed and sparse
-    schedules, beyond which "auto" picks memory.
+    schedules, beyond which "auto" picks memory. `round_logits=True` rounds the lm_head product to the inputs'
+    16-bit dtype before the softmax, as TRL's head and plain torch do (their numerics, fewer bytes per logit);
+    the default keeps it in float32.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class FusedLinearGRPOLoss:
         vocab_parallel_group=None,
         sequence_parallel_group=None,
         capture: bool = False,
+        round_logits: bool = False,
         **settings,
     ):
         validation.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
@@ -105,6 +108,7 @@ class FusedLinearGRPOLoss:
         # On a GPU, the schedules' tile loops as CUDA graph replays (`capture.Captures`); elsewhere, as without it
         self.captures = Captures() if capture else None
         self.deferred = Deferred()  # value checks of earlier calls not yet read (`check`)
+        self.round_logits = round_logits
 
     def __call__(
         self,
@@ -189,12 +193,12 @@ class FusedLinearGRPOLoss:
             captures.pool_limit = self.logits_budget_bytes
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
-            inputs = passes.with_reference_logps(engine, inputs, self.config)
+            inputs = passes.with_reference_logps(engine, inputs, self.config, self.round_logits)
         slices = None
         if sequence_parallel.active(self.sequence_group):
             slices = sequence_parallel.SequenceSlices.of(self.sequence_group, inputs.completion_mask)
         objective = Objective(self.config, inputs, step, self.process_group, slices)
-        head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype)
+        head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype, self.round_logits)
         schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
         # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host
         self.deferred.raise_pending()

@@ -66,11 +66,23 @@ def stat_dtype(x: torch.Tensor) -> torch.dtype:
 
 def tile_logits(x, head: Head) -> torch.Tensor:
     """z = softcap(scale * (x @ w.T + b)) * inv_temp for x [n,H], w [v,H]: [n,v] in float32 (float64 input: 64)."""
-    return logits_from_product(matmul_fp32(x, head.weight.T), head)
+    return logits_from_product(gemm_product(x, head), head)
+
+
+def gemm_product(x, head: Head) -> torch.Tensor:
+    """x @ w.T, accumulated in float32: output in float32 (float64 for float64 inputs), or with `head.rounded`
+    rounded to x's dtype, as TRL's head and plain torch keep their logits (half the bytes for its readers)."""
+    if not head.rounded or x.dtype in (torch.float32, torch.float64):
+        return matmul_fp32(x, head.weight.T)
+    # the GEMM's own 16-bit output (a buffer, so torch.compile keeps the rounding: a cast to 16 bits and back
+    # inside a fused kernel would be elided)
+    return torch.mm(x, head.weight.T)
 
 
 def logits_from_product(product, head: Head) -> torch.Tensor:
-    """The logits from the float32 GEMM output x @ w.T (a pointwise epilogue Inductor fuses into its readers)."""
+    """The logits from the GEMM output x @ w.T (`gemm_product`; a pointwise epilogue Inductor fuses into its
+    readers), in float32 whatever the product's dtype."""
+    product = product.to(stat_dtype(product))
     z = product if head.bias is None else product + head.bias.to(product.dtype)
     z = z * head.values[SCALE]
     if head.softcap:
@@ -141,7 +153,7 @@ def _partial_fold(z, local_targets):
 def partial_statistics_and_product_tile(x, local_targets, head: Head):
     """`partial_statistics_tile` that also hands back the GEMM output x @ w.T of this rank's slice (the speed
     schedule's vocabulary-parallel tile)."""
-    product = matmul_fp32(x, head.weight.T)
+    product = gemm_product(x, head)
     return _partial_fold(logits_from_product(product, head), local_targets) + (product,)
 
 
@@ -168,7 +180,7 @@ def statistics_tile(x, targets, head: Head):
 def statistics_and_product_tile(x, targets, head: Head):
     """Stats of one token tile that also hand back the GEMM output x @ w.T (not the logits: returning those
     would write a second [n,V] float32 tensor), for a gradient on the same tile."""
-    product = matmul_fp32(x, head.weight.T)
+    product = gemm_product(x, head)
     return fold_statistics(logits_from_product(product, head), targets) + (product,)
 
 

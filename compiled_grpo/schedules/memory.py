@@ -41,9 +41,10 @@ class Recompute:
     softcap: bool
     tiles: tuple
     row_inv_temp: torch.Tensor | None = None  # per slot (`Head.row_inv_temp`)
+    rounded: bool = False  # `Head.rounded`
 
     def head(self, weight, bias) -> Head:
-        return Head(weight, bias, self.head_values, self.softcap, self.row_inv_temp)
+        return Head(weight, bias, self.head_values, self.softcap, self.row_inv_temp, self.rounded)
 
 
 class StatisticsThenRecompute(torch.autograd.Function):
@@ -72,7 +73,8 @@ class StatisticsThenRecompute(torch.autograd.Function):
 
 def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head):
     """(logp, entropy) per slot through `function`, an autograd Function of this module's form."""
-    setup = Recompute(engine, slots.targets, head.values, head.softcap, slots.plan.tiles, head.row_inv_temp)
+    setup = Recompute(engine, slots.targets, head.values, head.softcap, slots.plan.tiles, head.row_inv_temp,
+                      head.rounded)  # fmt: skip
     return function.apply(slots.x, head.weight, head.bias, setup)
 
 

@@ -132,7 +132,7 @@ def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: W
     buffered = x.dtype not in WIDE
     grads = TokenOuterGradients(x_r, head, rows_plan.tiles, t.sparse_tile, buffered, wanted)
     for s, n in rows_plan.tiles:
-        product = streaming.matmul_fp32(x_r[s : s + n], head.weight.T)
+        product = streaming.gemm_product(x_r[s : s + n], head)
         grads.add(engine.kernels, s, product, RowGradients(*(None if v is None else v[s : s + n] for v in rows)))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
