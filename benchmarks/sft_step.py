@@ -86,11 +86,7 @@ def main(argv=None) -> None:
     rows = []
     for method, measured in trl_step.timed(steps, args.repeats, on_gpu, reset).items():
         row = {"shape": shape, "model": args.model, "size": args.size, "method": method, "loss": losses[method]}
-        if isinstance(measured, str):
-            row["status"] = measured
-        else:
-            row["ms"], row["peak_gib"], row["held_gib"] = measured
-        rows.append(row)
+        rows.append(trl_step.with_measurement(row, measured))
         print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

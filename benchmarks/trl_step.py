@@ -150,6 +150,15 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset) -> dict:
     return {**measured, **failed}
 
 
+def with_measurement(row: dict, measured) -> dict:
+    """`row` with what `timed` measured for its method: ms, peak_gib and held_gib, or the status it failed with."""
+    if isinstance(measured, str):
+        row["status"] = measured
+    else:
+        row["ms"], row["peak_gib"], row["held_gib"] = measured
+    return row
+
+
 def sync(on_gpu: bool) -> None:
     if on_gpu:
         torch.cuda.synchronize()
@@ -234,11 +243,7 @@ def sweep(args) -> None:
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
                 if captures is not None:  # how many calls ran as graph replays, and what their pool reserves
                     row["replays"], row["pool_gib"] = captures.replays, captures.pool_bytes / 2**30
-                if isinstance(measured, str):
-                    row["status"] = measured
-                else:
-                    row["ms"], row["peak_gib"], row["held_gib"] = measured
-                rows.append(row)
+                rows.append(with_measurement(row, measured))
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
             del steps, trainers
