@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import reference
-from audits.harness import pack
+from audits.harness import POSITIONAL, pack
 from compiled_grpo import FusedLinearGRPOLoss
 
 GLOBAL_LOSSES = ("grpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
@@ -335,6 +335,13 @@ def sequence_parallel_worker(rank, world, seed, data_ranks):
                 close(out.metrics[name], value, f"{what} metric {name}")
             close(dh / data_ranks, ref_dh[rows, cols], f"{what} hidden gradient")
             close(mean_over(sum_over(dw, sp_groups[d]), dp_groups[r]), ref_dw, f"{what} weight gradient")
+            for context in (torch.no_grad, torch.inference_mode):  # without grad mode: the same outputs
+                with context():
+                    plain = loss_fn(
+                        *(mine[k] for k in POSITIONAL), **{k: v for k, v in mine.items() if k not in POSITIONAL}
+                    )
+                close(plain.loss, out.loss, f"{what} loss under {context.__name__}")
+                assert torch.equal(plain.per_token_logps, out.per_token_logps), f"{what} logp under {context.__name__}"
     finally:
         dist.destroy_process_group()
 

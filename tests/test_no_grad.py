@@ -105,3 +105,15 @@ def test_compiled_without_grad_mode(schedule, context):
     grad_mode, _ = call(loss_fn, x)
     out, _ = call(loss_fn, x, context=CONTEXTS[context])
     assert_same_outputs(out, grad_mode)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("schedule", ["speed", "memory", "sparse"])
+def test_rounded_logits_without_grad_mode(schedule, context):
+    """round_logits=True (bfloat16 inputs): the same outputs without grad mode as with it."""
+    settings = {"loss_type": "dapo", "top_entropy_quantile": 0.5 if schedule == "sparse" else 1.0}
+    x = inputs_for(settings, torch.bfloat16)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, round_logits=True, beta=0.04, **TILES, **settings)
+    grad_mode, _ = call(loss_fn, x)
+    out, _ = call(loss_fn, x, context=CONTEXTS[context])
+    assert_same_outputs(out, grad_mode)
