@@ -228,7 +228,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
             coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
         else:
             coef = self.entropy_coef
-        return torch.tensor(float(coef), device=device)
+        return torch.full((), float(coef), device=device)  # filled on the device: a copy from the host would wait
 
     def _update_entropy_controller(self, out, mask, mode):
         """TRL's adaptive entropy controller: a window-global entropy over the accumulation window, all ranks."""
