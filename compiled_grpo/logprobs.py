@@ -199,14 +199,14 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     PRIMITIVE_DEFERRED.raise_pending()
     value_faults.raise_first()
     head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)
-    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape)._replace(rounded=o.round_logits)
+    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape, o.round_logits)
     if head.row_inv_temp is not None:
         head = head._replace(row_inv_temp=to_slots(head.row_inv_temp, plan, fill=None))
     stream = Targets(hidden.reshape(-1, hidden.shape[-1]), flat_targets.masked_fill(~valid, 0))
     return Call(engine, plan, head, stream, valid)
 
 
-def make_head(weight, bias, values, dtype, shape):
+def make_head(weight, bias, values, dtype, shape, rounded: bool = False):
     """The lm_head as the tiles see it: (logit_scale, temperature, softcap) in one small tensor, and a per-token
     temperature as one 1 / temperature per flat position."""
     scale, temperature, cap = values
@@ -216,7 +216,7 @@ def make_head(weight, bias, values, dtype, shape):
     row_inv_temp = None
     if per_token:
         row_inv_temp = (1.0 / temperature.detach().to(weight.device, dtype)).broadcast_to(shape).reshape(-1)
-    return Head(weight, bias, constants, cap is not None, row_inv_temp)
+    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded)
 
 
 def under_autocast(hidden, weight, bias):

@@ -37,14 +37,11 @@ class Recompute:
 
     engine: Engine
     targets: torch.Tensor
-    head_values: torch.Tensor
-    softcap: bool
     tiles: tuple
-    row_inv_temp: torch.Tensor | None = None  # per slot (`Head.row_inv_temp`)
-    rounded: bool = False  # `Head.rounded`
+    template: Head  # the head without its weight and bias (autograd saves those)
 
     def head(self, weight, bias) -> Head:
-        return Head(weight, bias, self.head_values, self.softcap, self.row_inv_temp, self.rounded)
+        return self.template._replace(weight=weight, bias=bias)
 
 
 class StatisticsThenRecompute(torch.autograd.Function):
@@ -73,8 +70,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
 
 def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head):
     """(logp, entropy) per slot through `function`, an autograd Function of this module's form."""
-    setup = Recompute(engine, slots.targets, head.values, head.softcap, slots.plan.tiles, head.row_inv_temp,
-                      head.rounded)  # fmt: skip
+    setup = Recompute(engine, slots.targets, slots.plan.tiles, head._replace(weight=None, bias=None))
     return function.apply(slots.x, head.weight, head.bias, setup)
 
 
