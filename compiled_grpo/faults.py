@@ -29,19 +29,19 @@ class Faults:
     flags: list = field(default_factory=list)
     details: list = field(default_factory=list)
     errors: list = field(default_factory=list)
-    host: torch.Tensor | None = None  # [2, k] int64 (flags, details) on the host once issued
+    host: torch.Tensor | None = None  # int64 on the host once issued: every flag, then the details given
     event: object = None  # the copy's CUDA event, None on a CPU
 
     def add(self, flag: torch.Tensor, error: Callable[[int], Exception], detail: torch.Tensor | None = None):
         self.flags.append(flag.reshape(()).to(torch.int64))
-        self.details.append(torch.zeros_like(self.flags[-1]) if detail is None else detail.reshape(()).long())
+        self.details.append(None if detail is None else detail.reshape(()).long())  # None: no kernel for it
         self.errors.append(error)
 
     def issue(self) -> Faults:
         """Start the copy of every flag to the host (no wait on a GPU); once."""
         if not self.flags or self.host is not None:
             return self
-        values = torch.stack([torch.stack(self.flags), torch.stack(self.details)])
+        values = torch.stack(self.flags + [d for d in self.details if d is not None])
         if values.is_cuda:
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
@@ -57,7 +57,9 @@ class Faults:
             return
         if self.event is not None:
             self.event.synchronize()
-        flags, details = self.host.tolist()
+        values = iter(self.host.tolist())
+        flags = [next(values) for _ in self.flags]
+        details = [0 if d is None else next(values) for d in self.details]
         for flag, detail, error in zip(flags, details, self.errors, strict=True):
             if flag:
                 raise error(detail)
