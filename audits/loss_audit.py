@@ -22,7 +22,7 @@ reference_threshold = reference.objective.entropy_threshold
 
 QUANTILES = (1.0, 0.8, 0.5, 0.2)
 GROUP_QUANTILES = (1.0, 0.5, 0.2)
-CAPTURED_QUANTILES = (1.0, 0.2)  # every schedule, the dense and the sparse gradient pass
+FEW_QUANTILES = (1.0, 0.2)  # the dense and the sparse gradient pass, every schedule: the captured and rounded cells
 GROUP_SIZE = 2  # completions per prompt in the "groups" batches (B = 4 quick, 8 full)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,14 +72,14 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
     for loss_type, level, q, dtype, mode in itertools.product(
         loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
     ):
-        if mode != "captured" or q in CAPTURED_QUANTILES:
+        if mode != "captured" or q in FEW_QUANTILES:
             out += [LossCell(loss_type, level, q, dtype, mode, schedule) for schedule in schedules(q)]
     if "eager" in modes:
         for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, dtypes):
             skipping = tuple(s for s in schedules(q) if s != "memory")
             out += [LossCell(loss_type, level, q, dtype, "eager", schedule, "groups") for schedule in skipping]
         if "bfloat16" in dtypes:
-            for loss_type, q in itertools.product(loss_types, CAPTURED_QUANTILES):
+            for loss_type, q in itertools.product(loss_types, FEW_QUANTILES):
                 out += [LossCell(loss_type, "token", q, "bfloat16", "eager", schedule, rounded=True)
                         for schedule in schedules(q)]  # fmt: skip
         # packed (padding-free) batches against the reference's packed entry, one cell per loss type and schedule
