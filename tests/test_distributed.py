@@ -254,6 +254,12 @@ def vocab_parallel_schedules_worker(rank, world, seed):
             close(grads["hidden"], ref_grads["hidden"], f"{what} hidden gradient")
             close(grads["weight"], ref_grads["weight"][lo:hi], f"{what} weight gradient slice")
             close(grads["bias"], ref_grads["bias"][lo:hi], f"{what} bias gradient slice")
+            for context in (torch.no_grad, torch.inference_mode):  # without grad mode: the same outputs
+                with context():
+                    rest = {k: v for k, v in mine.items() if k not in POSITIONAL}
+                    plain = loss_fn(*(mine[k] for k in POSITIONAL), vocab_start=lo, **rest)
+                close(plain.loss, out.loss, f"{what} loss under {context.__name__}")
+                assert torch.equal(plain.per_token_logps, out.per_token_logps), f"{what} logp under {context.__name__}"
     finally:
         dist.destroy_process_group()
 
