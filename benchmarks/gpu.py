@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import reference
-from benchmarks import plots
+from benchmarks import plots, unsloth_head
 from benchmarks.rows import gradient_rows
 from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs
 
@@ -160,12 +160,29 @@ def plain_compile(shape, x):
     return run
 
 
-def primitive(shape, x):
+def primitive(**options):
     """`fused_linear_logprobs` (compiled) with the same loss on top, as a framework's own loss would use it."""
-    targets = torch.where(x["mask"].bool(), x["ids"], -100)
+
+    def make(shape, x):
+        targets = torch.where(x["mask"].bool(), x["ids"], -100)
+
+        def head(hidden, weight):
+            return fused_linear_logprobs(hidden, weight, targets, validate=False, **options)
+
+        return head_then_loss(head, shape, x)
+
+    return make
+
+
+def unsloth(shape, x):
+    """unsloth_zoo 2026.10.9's `fused_linear_logprobs` (benchmarks/unsloth_head.py) with the same loss on top: the
+    log-probs and, without gradient, the entropies (what the loss logs), padded positions masked out."""
+    op = unsloth_head.load()
+    if isinstance(op, str):
+        return op
 
     def head(hidden, weight):
-        return fused_linear_logprobs(hidden, weight, targets, validate=False)
+        return op(hidden, weight, x["ids"], mask=x["mask"], return_entropy=True, entropy_requires_grad=False)
 
     return head_then_loss(head, shape, x)
 
@@ -232,7 +249,7 @@ def liger_cute_head(shape, x):
     return head_then_loss(head, shape, x)
 
 
-def ours(schedule, compiled, packed=False, **tiles):
+def ours(schedule, compiled, packed=False, **options):
     """This library; `packed`: the same batch given padding-free (the active tokens' hidden rows, one
     segment per sequence), packed outside the timed call as a packing data loader would."""
 
@@ -242,7 +259,7 @@ def ours(schedule, compiled, packed=False, **tiles):
         if packed and shape.beta:
             return "not measured: packed with a reference model"
         settings = loss_settings(shape)
-        loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=False, **tiles, **settings)
+        loss_fn = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, validate=False, **options, **settings)
         extra = {"ref_hidden": x["ref_hidden"], "ref_weight": x["ref_weight"]} if shape.beta else {}
         hidden, ids, mask, adv = x["hidden"], x["ids"], x["mask"], x["advantages"]
         if packed:
@@ -274,7 +291,14 @@ METHODS = {
     "compiled_grpo sparse, compiled": ours("sparse", True),
     "compiled_grpo auto, compiled": ours("auto", True),
     "compiled_grpo auto, compiled, packed": ours("auto", True, packed=True),
-    "compiled_grpo primitive + loss, compiled": primitive,
+    "compiled_grpo primitive + loss, compiled": primitive(),
+    "Unsloth (unsloth_zoo 2026.10.9) head + loss": unsloth,
+    "compiled_grpo speed, compiled, round_logits": ours("speed", True, round_logits=True),
+    "compiled_grpo memory, compiled, round_logits": ours("memory", True, round_logits=True),
+    "compiled_grpo primitive + loss, compiled, round_logits": primitive(round_logits=True),
+    "compiled_grpo memory, compiled, captured": ours("memory", True, capture=True),
+    "compiled_grpo primitive + loss, compiled, captured": primitive(capture=True),
+    "compiled_grpo primitive + loss, compiled, captured, round_logits": primitive(capture=True, round_logits=True),
 }
 
 

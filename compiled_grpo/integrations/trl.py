@@ -263,6 +263,7 @@ class FusedHeadFunction:
 
     compiled = True
     capture = False  # the primitive's passes as CUDA graph replays (`fused_linear_logprobs(capture=True)`)
+    round_logits = False  # the product rounded to 16 bits before the softmax, as TRL's own head does
 
     @classmethod
     def apply(cls, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -270,7 +271,7 @@ class FusedHeadFunction:
         head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale,
                 "final_logit_softcapping": final_logit_softcapping, "compiled": cls.compiled}  # fmt: skip
         logp, entropy = fused_linear_logprobs(hidden, weight, targets, entropy="entropy" in outputs,
-                                              capture=cls.capture, **head)  # fmt: skip
+                                              capture=cls.capture, round_logits=cls.round_logits, **head)  # fmt: skip
         extras = (None, None, None)
         wanted = [name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")]
         if any(wanted):
@@ -288,16 +289,23 @@ class CapturedFusedHeadFunction(FusedHeadFunction):
 
 
 @contextlib.contextmanager
-def compiled_fused_head(compiled: bool = True, capture: bool = False):
+def compiled_fused_head(compiled: bool = True, capture: bool = False, round_logits: bool = False):
     """Inside the block, TRL's fused LM head (`add_fused_lm_head`, which every TRL 1.16 trainer uses for its
     per-token log-probs: GRPO, RLOO, DPO, KTO, SFT, async GRPO) runs on `fused_linear_logprobs`. Models patched
     before or inside the block alike: the patched forward looks the function up on each call. `capture`
-    (experimental, compiled, GPU): the primitive's passes as CUDA graph replays."""
+    (experimental, compiled, GPU): the primitive's passes as CUDA graph replays. `round_logits=True`: the log-probs
+    and entropies of the lm_head product rounded to 16 bits, as TRL's own head computes them (fewer bytes per
+    logit; the logged extras stay float32)."""
     if capture and not compiled:
         raise ValueError("compiled_fused_head: capture=True needs compiled=True")
+    if not isinstance(round_logits, bool):
+        raise ValueError(f"compiled_fused_head: round_logits must be True or False, got {round_logits!r}")
     previous = trl_utils._ChunkedLogProbFunction
     chosen = CapturedFusedHeadFunction if capture else FusedHeadFunction
-    trl_utils._ChunkedLogProbFunction = chosen if compiled else EagerFusedHeadFunction
+    chosen = chosen if compiled else EagerFusedHeadFunction
+    if round_logits:
+        chosen = type(f"Rounded{chosen.__name__}", (chosen,), {"round_logits": True})
+    trl_utils._ChunkedLogProbFunction = chosen
     try:
         yield
     finally:
