@@ -143,7 +143,6 @@ def head_key(head) -> tuple:
     the softcap."""
     weight, bias = head.weight, head.bias
     return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap, head.rounded,
-            head.recompute_rounded,
             None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
 
 

@@ -26,13 +26,9 @@ class Head(NamedTuple):
     # [slots] 1 / temperature of each row, in place of values[INV_TEMP] (a per-token or per-sequence temperature
     # of `fused_linear_logprobs`); None: one temperature for every row
     row_inv_temp: torch.Tensor | None = None
-    # the GEMM's product rounded to the inputs' dtype before the softmax (`round_logits=True`: TRL's head and plain
-    # torch do so), read at 2 bytes per logit instead of 4; False: float32, the default
+    # the GEMM's product rounded to the inputs' dtype before the softmax (`round_logits`: TRL's head and plain torch
+    # do so), read at 2 bytes per logit instead of 4; False: float32, the default
     rounded: bool = False
-    # only the product the backward recomputes rounded (`round_logits="backward"`): the forward's statistics,
-    # log-probs and entropies are those of the float32 product; the forward also folds the rounded product's lse
-    # and entropy, so the backward's softmax of rounded logits is normalized by their own sum
-    recompute_rounded: bool = False
 
     def rows(self, start: int, size: int) -> Head:
         """The head as slots start..start + size see it (their per-row temperatures)."""
@@ -44,29 +40,16 @@ class Head(NamedTuple):
         bias = None if self.bias is None else self.bias[start : start + size]
         return self._replace(weight=self.weight[start : start + size], bias=bias)
 
-    def recomputing(self) -> Head:
-        """The head as a backward that recomputes the product sees it."""
-        return self._replace(rounded=self.rounded or self.recompute_rounded)
-
     def detached(self) -> Head:
-        """Without gradient (and so without a backward to prepare for)."""
         bias = None if self.bias is None else self.bias.detach()
-        return self._replace(weight=self.weight.detach(), bias=bias, recompute_rounded=False)
+        return self._replace(weight=self.weight.detach(), bias=bias)
 
 
-ROUND_LOGITS = (False, True, "backward")  # the values `round_logits` takes
-
-
-def rounding(round_logits) -> dict:
-    """Head's rounding fields for a `round_logits` setting."""
-    return {"rounded": round_logits is True, "recompute_rounded": round_logits == "backward"}
-
-
-def make_head(weight, bias, cfg, dtype, round_logits=False) -> Head:
+def make_head(weight, bias, cfg, dtype, rounded: bool = False) -> Head:
     """The head of a loss config (logit_scale, temperature, final_logit_softcapping)."""
     cap = cfg.final_logit_softcapping
     values = device_constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, weight.device)
-    return Head(weight, bias, values, cap is not None, **rounding(round_logits))
+    return Head(weight, bias, values, cap is not None, rounded=rounded)
 
 
 @functools.cache

@@ -173,29 +173,8 @@ def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:
 
 
 def statistics_tile(x, targets, head: Head):
-    """Stats pass of one token tile against the whole vocabulary: (logp, entropy, lse); with
-    `head.recompute_rounded` and 16-bit inputs, also (lse, entropy) of the product rounded to x's dtype, the
-    statistics the backward's rounded recompute is normalized with (same read of the product)."""
-    product = gemm_product(x, head)
-    stats = fold_statistics(logits_from_product(product, head), targets)
-    if not head.recompute_rounded or x.dtype not in ROUNDING_BITS:
-        return stats
-    _, entropy, lse = fold_statistics(logits_from_product(rounded_product(product, x.dtype), head), targets)
-    return stats + (lse, entropy)
-
-
-ROUNDING_BITS = {torch.bfloat16: 16, torch.float16: 13}  # float32 mantissa bits a 16-bit type drops
-
-
-def rounded_product(product: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float32 product rounded to `dtype`'s precision, ties to even, kept in float32, by integer arithmetic on
-    its bits: Inductor computes 16-bit intermediates of a fused kernel in float32, so a cast there and back
-    would not round. Equal to the GEMM's own 16-bit output for logits in float16's normal range (larger ones
-    overflow there; smaller ones differ by under 6e-8)."""
-    drop = ROUNDING_BITS[dtype]
-    bits = product.view(torch.int32)
-    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
-    return bits.view(torch.float32)
+    """Stats pass of one token tile against the whole vocabulary: (logp, entropy, lse)."""
+    return fold_statistics(tile_logits(x, head), targets)
 
 
 def statistics_and_product_tile(x, targets, head: Head):

@@ -13,7 +13,6 @@ import weakref
 import torch
 
 from .faults import Faults
-from .head import ROUND_LOGITS
 from .inputs import PER_TOKEN
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -220,18 +219,6 @@ def check_per_sequence(inputs, packing) -> None:
         x = getattr(inputs, name)
         if x is not None and x.shape[0] not in (M, S):
             _fail(name, f"a packed call expects [{M}] (per target) or [{S}] (per sequence), got {tuple(x.shape)}")
-
-
-def round_logits_setting(value, vocab_parallel: bool = False):
-    """`round_logits` as given, or a ValueError naming the values it takes."""
-    if not (value is False or value is True or (isinstance(value, str) and value in ROUND_LOGITS)):
-        raise ValueError(f"round_logits must be False, True or 'backward', got {value!r}")
-    if value == "backward" and vocab_parallel:
-        raise ValueError(
-            "round_logits='backward' is not available with a vocab_parallel_group (its statistics are "
-            "combined across the group's shards for the float32 product only); use False or True"
-        )
-    return value
 
 
 def unknown_names(given, valid, where: str) -> None:

@@ -50,11 +50,8 @@ class StatisticsThenRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, setup: Recompute):
         head = setup.head(weight, bias)
-        logp, entropy, lse, *rounded = passes.captured_statistics_pass(setup.engine, x, setup.targets, head,
-                                                                       setup.tiles)  # fmt: skip
-        # the statistics the backward's softmax is formed with: the rounded product's where it is recomputed rounded
-        lse_b, entropy_b = rounded or (lse, entropy)
-        ctx.save_for_backward(x, weight, bias, lse_b, entropy_b)
+        logp, entropy, lse = passes.captured_statistics_pass(setup.engine, x, setup.targets, head, setup.tiles)
+        ctx.save_for_backward(x, weight, bias, lse, entropy)
         ctx.setup = setup
         ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: no work for it
         return logp, entropy
@@ -63,7 +60,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
-        head = s.head(weight, bias).recomputing()
+        head = s.head(weight, bias)
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         rows = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])

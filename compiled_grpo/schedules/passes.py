@@ -80,7 +80,7 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles):
     outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in statistics_pieces(engine, tiles)]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
-        return (empty,) * (5 if head.recompute_rounded and x.dtype in streaming.ROUNDING_BITS else 3)
+        return empty, empty, empty
     outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
     return distributed.combine_vocab_shards(*outs, engine.shard.group) if engine.shard.parallel else outs
 
@@ -245,16 +245,16 @@ class TokenOuterGradients:
         return self.sum.to(self.head.weight.dtype) if self.added else torch.zeros_like(self.head.weight)
 
 
-def with_reference_logps(engine: Engine, inputs, cfg, round_logits=False):
+def with_reference_logps(engine: Engine, inputs, cfg, rounded: bool = False):
     """The inputs with ref_per_token_logps streamed from the reference head (ref_hidden, ref_weight, ref_bias,
-    each defaulting to the policy's), without gradient, at the loss's `round_logits`."""
+    each defaulting to the policy's), without gradient; `rounded`: `Head.rounded`."""
     hidden = inputs.hidden if inputs.ref_hidden is None else inputs.ref_hidden
     weight, bias = (inputs.weight, inputs.bias) if inputs.ref_weight is None else (inputs.ref_weight, inputs.ref_bias)
     mask = inputs.completion_mask
     plan = tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)
     with torch.no_grad():
         slots = gather_slots(hidden.detach(), inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
-        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), round_logits)
+        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), rounded)
         logp, _, _ = statistics_pass(engine, slots.x, slots.targets, head.detached(), plan.tiles)
         ref = tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
     return dataclasses.replace(inputs, ref_per_token_logps=ref)
