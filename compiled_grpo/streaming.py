@@ -79,6 +79,12 @@ def gemm_product(x, head: Head) -> torch.Tensor:
     return torch.mm(x, head.weight.T)
 
 
+def product_bytes(head: Head) -> int:
+    """Bytes per entry of `gemm_product`'s output: 2 where the head rounds a 16-bit GEMM's product, else 4 (the
+    fused kernels that read it form the float32 logits in registers)."""
+    return 2 if head.rounded and head.weight.dtype in (torch.bfloat16, torch.float16) else 4
+
+
 def logits_from_product(product, head: Head) -> torch.Tensor:
     """The logits from the GEMM output x @ w.T (`gemm_product`; a pointwise epilogue Inductor fuses into its
     readers), in float32 whatever the product's dtype."""

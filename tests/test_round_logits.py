@@ -78,3 +78,40 @@ def test_compiled_tiles_round_as_the_eager_ones(schedule):
     assert max_error(compiled.loss, eager.loss) <= 1e-4 * max(1.0, abs(float(eager.loss)))
     for k in eager_grads:
         assert max_error(compiled_grads[k], eager_grads[k]) <= 2e-2 * float(eager_grads[k].abs().max())
+
+
+def test_rounded_products_count_two_bytes_in_the_workspace(monkeypatch):
+    """The speed and sparse schedules' workspace estimates count a rounded product at 2 bytes per logit; under a
+    budget between the two estimates, "auto" takes the sparse schedule with round_logits=True and the memory
+    schedule without."""
+    from compiled_grpo import schedules
+
+    x = make_inputs(seed=15, dtype=torch.bfloat16)
+    vocab = x["weight"].shape[0]
+    estimates = {"speed": {}, "sparse": {}}
+    for name, found in estimates.items():
+        module = getattr(schedules, name)
+
+        def record(engine, plan, head, f=module.workspace_bytes, found=found):
+            found.setdefault(head.rounded, []).append((f(engine, plan, head), plan))
+            return found[head.rounded][-1][0]
+
+        monkeypatch.setattr(module, "workspace_bytes", record)
+    for q in (1.0, 0.5):
+        for rounded in (False, True):
+            loss_fn = FusedLinearGRPOLoss(compiled=False, round_logits=rounded, top_entropy_quantile=q, **TILES)
+            run_fused(loss_fn, x)
+    (default, plan), (rounded, _) = estimates["speed"][False][0], estimates["speed"][True][0]
+    assert default - rounded == 2 * plan.tile * vocab
+    (sparse_default, _), (sparse_rounded, _) = estimates["sparse"][False][0], estimates["sparse"][True][0]
+    assert sparse_rounded < sparse_default
+    budget = (sparse_default + sparse_rounded) // 2
+    ran = []
+    for name in ("memory", "sparse"):
+        m = getattr(schedules, name)
+        monkeypatch.setattr(m, "run", lambda *a, f=m.run, n=name: ran.append(n) or f(*a))
+    for rounded in (False, True):
+        loss_fn = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=budget, round_logits=rounded,
+                                      top_entropy_quantile=0.5, **TILES)  # fmt: skip
+        run_fused(loss_fn, x)
+    assert ran == ["memory", "sparse"]

@@ -39,12 +39,12 @@ NAME = "sparse"
 
 
 def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
-    """The statistics pass's float32 logits, or the token-outer gradient pass's: a [sparse_tile, V] float32
-    product and at most 2 stats_rows rows of 16-bit gradients (the vocabulary-outer pass takes over beyond).
-    float32/64 inputs: the float32 [V, H] dW sum instead."""
-    t, vocab = engine.tiles, head.weight.shape[0]
+    """The statistics pass's [stats_rows, V] product, or the token-outer gradient pass's: a [sparse_tile, V]
+    product and at most 2 stats_rows rows of 16-bit gradients (the vocabulary-outer pass takes over beyond); each
+    product float32, or 16-bit where the head rounds it. float32/64 inputs: the float32 [V, H] dW sum instead."""
+    t, vocab, product = engine.tiles, head.weight.shape[0], streaming.product_bytes(head)
     kept = 4 * head.weight.numel() if head.weight.dtype in WIDE else 2 * min(plan.slots, 2 * t.stats_rows) * vocab
-    return max(4 * t.stats_rows * vocab, 4 * t.sparse_tile * vocab + kept)
+    return max(product * t.stats_rows * vocab, product * t.sparse_tile * vocab + kept)
 
 
 def workspace_bound(tiles, weight) -> int:

@@ -93,8 +93,9 @@ def workspace_bound(engine: Engine, head: Head, lean: bool = False) -> int:
 
 
 def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
-    """A tile's float32 GEMM output, plus the 16-bit logits gradients kept for dW: every token's (buffered),
-    a group's and the float32 dW sum (accumulated), or one tile's (no weight gradient)."""
+    """A tile's GEMM output (float32, or 16-bit where the head rounds it), plus the 16-bit logits gradients kept
+    for dW: every token's (buffered), a group's and the float32 dW sum (accumulated), or one tile's (no weight
+    gradient)."""
     vocab = head.weight.shape[0]
     if not head.weight.requires_grad:
         kept = 2 * plan.tile * vocab
@@ -102,7 +103,7 @@ def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
         kept = 2 * plan.gradient.slots * vocab
     else:
         kept = 2 * max(plan.tile, plan.group) * vocab + 4 * head.weight.numel()
-    return 4 * plan.tile * vocab + kept
+    return streaming.product_bytes(head) * plan.tile * vocab + kept
 
 
 class FlatStatistics:
