@@ -31,7 +31,7 @@ from .kernels import Kernels
 from .schedules import memory, sparse
 from .schedules.passes import Engine, statistics_pieces
 from .streaming import stat_dtype
-from .tiling import TilePlan, Tiles, from_slots, plan_mask, to_slots
+from .tiling import DEFAULT_WORKSPACE_BYTES, TilePlan, Tiles, from_slots, plan_mask, to_slots
 
 TILE_OPTIONS = ("token_tile", "tail_tile", "vocab_tile", "stats_rows", "sparse_tile")
 
@@ -152,8 +152,9 @@ EXTRA_OPTIONS = _keywords(fused_linear_extra_statistics)
 
 
 # The primitive's captured calls (`capture=True`) and value checks read at a later call (`faults.Deferred`): one of
-# each per process, as it has no object to keep them.
-PRIMITIVE_CAPTURES = Captures()
+# each per process, as it has no object to keep them. The graphs' pool is held to the loss's default workspace
+# budget (set `PRIMITIVE_CAPTURES.pool_limit` for another): past it, the primitive's calls run uncaptured.
+PRIMITIVE_CAPTURES = Captures(pool_limit=DEFAULT_WORKSPACE_BYTES)
 PRIMITIVE_DEFERRED = Deferred()
 
 

@@ -29,7 +29,7 @@ from .inputs import LossInputs
 from .kernels import Kernels
 from .packing import lay_out
 from .schedules import SCHEDULES, passes
-from .tiling import TILE_NAMES, Tiles
+from .tiling import DEFAULT_WORKSPACE_BYTES, TILE_NAMES, Tiles
 
 
 @dataclass
@@ -69,7 +69,7 @@ class FusedLinearGRPOLoss:
         speed_tile: int | None = None,
         speed_group: int | None = None,
         sparse_tile: int | None = None,
-        logits_budget_bytes: int = 6 << 30,
+        logits_budget_bytes: int = DEFAULT_WORKSPACE_BYTES,
         process_group=None,
         vocab_parallel_group=None,
         sequence_parallel_group=None,

@@ -51,6 +51,9 @@ class Tiles:
 
 TILE_NAMES = tuple(f.name for f in dataclasses.fields(Tiles))[:-1]  # the constructor's tile options
 
+# The workspace the loss's "auto" rule (`logits_budget_bytes`) and the primitive's CUDA graph pool may take.
+DEFAULT_WORKSPACE_BYTES = 6 << 30
+
 
 @dataclass(frozen=True)
 class TilePlan:

@@ -354,3 +354,13 @@ def test_a_pool_past_the_budget_stops_capture():
     for i in range(3):
         roomy.run("key", work, [torch.full((8,), float(i))])
     assert roomy.replays == 2 and roomy.pool_bytes == 32
+
+
+def test_the_primitives_graph_pool_has_the_losss_default_budget():
+    """The primitive's process-wide captures stop (and release their pool) past the loss's default workspace."""
+    import inspect
+
+    from compiled_grpo import FusedLinearGRPOLoss, logprobs
+
+    default = inspect.signature(FusedLinearGRPOLoss).parameters["logits_budget_bytes"].default
+    assert logprobs.PRIMITIVE_CAPTURES.pool_limit == default == 6 << 30
