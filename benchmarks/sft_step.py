@@ -1,12 +1,13 @@
 """An SFT step as TRL's SFTTrainer takes it: its fused LM head (TRL 1.16's chunked log-prob head, which the trainer
-always uses) against the same trainer inside `compiled_fused_head()` (this library's primitive), and with
-`capture=True`; `compute_loss` (the model's forward included) + backward, time and peak memory, every method of
-a model in one process, taking turns round by round (`benchmarks.trl_step.timed`).
+always uses) against the same trainer inside `compiled_fused_head()` (this library's primitive), with
+`capture=True`, and with `round_logits=True` (TRL's head's numerics); `compute_loss` (the model's forward
+included) + backward, time and peak memory, every method of a model in one process, taking turns round by round
+(`benchmarks.trl_step.timed`).
 
 Models: `benchmarks.trl_step`'s Qwen2.5 shapes with random bf16 weights; micro-batches of 8 sequences of 1088
 tokens (a 64-token prompt whose labels are -100, then 1024 trained tokens).
 
-    python -m benchmarks.sft_step --model 0.5B [--methods trl,compiled,captured] [--repeats 13] [--out DIR]
+    python -m benchmarks.sft_step --model 0.5B [--methods trl,compiled,captured,rounded] [--repeats 13] [--out DIR]
 
 Writes `sft-step-<model>.json` (rows as `benchmarks.trl_step`'s); `--model tiny` runs on the CPU (a smoke test).
 """
@@ -29,6 +30,7 @@ METHODS = {  # name: the context the step runs in
     "trl": contextlib.nullcontext,
     "compiled": compiled_fused_head,
     "captured": lambda: compiled_fused_head(capture=True),
+    "rounded": lambda: compiled_fused_head(round_logits=True),  # TRL's own numerics: the product rounded to bf16
 }
 
 
