@@ -192,20 +192,25 @@ def test_grpo_step_equals_trls(tmp_path):
     assert_same_step(make, rtol=1e-5)
 
 
-def test_compiled_grpo_trainer_old_log_probs_equal_the_losss(tmp_path):
-    """With old log-probs computed (num_iterations=2), CompiledGRPOTrainer scores them with this library's kernels:
-    on the first (on-policy) step they equal the loss's log-probs bitwise, so the importance ratio is exactly 1."""
+@pytest.mark.parametrize(("dtype", "round_logits"), [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["float32", "bf16-rounded"])  # fmt: skip
+def test_compiled_grpo_trainer_old_log_probs_equal_the_losss(tmp_path, dtype, round_logits):
+    """With old log-probs computed (num_iterations=2), CompiledGRPOTrainer scores them with this library's kernels,
+    at the loss's round_logits: on the first (on-policy) step they equal the loss's log-probs bitwise, so the
+    importance ratio is exactly 1."""
     from test_integration_trl import make_trainer
 
     from compiled_grpo.integrations.trl import CompiledGRPOTrainer
 
-    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(dtype=torch.float32), num_iterations=2)
+    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(dtype=dtype), num_iterations=2,
+                           loss_options={"round_logits": round_logits})  # fmt: skip
     seen = []
     loss_fn = trainer.fused_loss
 
     class Spy:
         kernels = loss_fn.kernels
         check = loss_fn.check
+        round_logits = loss_fn.round_logits
 
         def __call__(self, *args, **kwargs):
             out = loss_fn(*args, **kwargs)

@@ -160,8 +160,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        """Old and reference log-probs (and TRL's own scoring) on this library's kernels, like the loss's."""
-        with compiled_fused_head(self.fused_loss.kernels.compiled):
+        """Old and reference log-probs (and TRL's own scoring) on this library's kernels, like the loss's (at its
+        `round_logits`, so an on-policy ratio stays exactly 1)."""
+        with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _compute_loss(self, model, inputs):
