@@ -58,6 +58,8 @@ TRAINERS = {  # name: (trainer, its options)
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
+    # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
+    "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,memory,roomy"
 LABELS = {
@@ -70,6 +72,7 @@ LABELS = {
     "captured-unvalidated": "CompiledGRPOTrainer auto, captured calls, validate=False",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
+    "rounded": "CompiledGRPOTrainer auto, round_logits=True",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
