@@ -1,5 +1,8 @@
-"""Unsloth's GRPO head as a baseline: `fused_linear_logprobs` of unsloth_zoo (its Triton forward with the float32
-statistics, a recomputing backward), the op Unsloth's GRPO trainer calls for the policy's per-token log-probs.
+"""Unsloth's GRPO head as a baseline: `fused_linear_logprobs` of unsloth_zoo, the op Unsloth's GRPO trainer calls
+for the policy's per-token log-probs. By default (on a GPU whose GEMMs have a float32 output) it keeps the product
+in float32 in the forward and in its recomputing backward, as this library's default does (TRL's head rounds it
+to bf16); it computes the entropy only when asked (`return_entropy`), has no top_entropy_quantile and no loss of
+its own (the benchmark puts the same loss on top), and skips no rows by their upstream gradient.
 
 The `unsloth_zoo` package refuses to import without `unsloth` (and `unsloth` patches transformers on import), so
 the one file that holds the op, `unsloth_zoo/fused_losses/fused_linear.py`, is loaded from the wheel
