@@ -29,7 +29,9 @@ import torch
 import reference
 from benchmarks import plots, unsloth_head
 from benchmarks.rows import gradient_rows
-from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs
+from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, logprobs
+from compiled_grpo.capture import Captures
+from compiled_grpo.tiling import DEFAULT_WORKSPACE_BYTES
 
 
 @dataclass(frozen=True)
@@ -165,11 +167,16 @@ def primitive(**options):
 
     def make(shape, x):
         targets = torch.where(x["mask"].bool(), x["ids"], -100)
+        if options.get("capture"):  # graphs of this method alone in the primitive's process-wide set
+            logprobs.PRIMITIVE_CAPTURES = Captures(pool_limit=DEFAULT_WORKSPACE_BYTES)
 
         def head(hidden, weight):
             return fused_linear_logprobs(hidden, weight, targets, validate=False, **options)
 
-        return head_then_loss(head, shape, x)
+        run = head_then_loss(head, shape, x)
+        if options.get("capture"):
+            run.graph_pool_bytes = lambda: logprobs.PRIMITIVE_CAPTURES.pool_bytes
+        return run
 
     return make
 
@@ -272,6 +279,8 @@ def ours(schedule, compiled, packed=False, **options):
             h = hidden.detach().requires_grad_()
             loss_fn(h, x["weight"], ids, mask, adv, **extra).loss.backward()
 
+        if loss_fn.captures is not None:
+            run.graph_pool_bytes = lambda: loss_fn.captures.pool_bytes
         return run
 
     return make
@@ -347,6 +356,8 @@ def run_shape(shape: Shape, repeats: int) -> list[dict]:
             else:
                 row["ms"], row["peak_gib"] = measure(run, x, repeats)
                 row["status"] = "ok"
+                if hasattr(run, "graph_pool_bytes"):  # reserved before the measured calls: not in their peak
+                    row["graph_pool_gib"] = run.graph_pool_bytes() / 2**30
                 if name.startswith("compiled_grpo"):
                     with gradient_rows() as counts:
                         run()
@@ -398,8 +409,10 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
             if "ms" in r:
                 trl = f"{r['x_trl']:.2f}" if r.get("x_trl") else "-"
                 grows = r.get("gradient_rows", "-")
-                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {r['peak_gib']:.2f} | "
-                             f"{grows} |")  # fmt: skip
+                peak = f"{r['peak_gib']:.2f}" + (
+                    f" + graph pool {r['graph_pool_gib']:.2f}" if "graph_pool_gib" in r else ""
+                )
+                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {peak} | {grows} |")
             else:
                 lines.append(f"| {r['method']} | {r['status']} | | | | |")
         lines.append("")
