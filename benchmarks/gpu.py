@@ -320,16 +320,22 @@ def measure(run, x, repeats: int, warmup: int = 3):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    ms = median_ms(run, repeats, after=lambda: setattr(x["weight"], "grad", None))
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def median_ms(fn, repeats: int, after=lambda: None) -> float:
+    """Median CUDA-event time of `fn()` over `repeats` calls, `after()` run between them (outside the timing)."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-        x["weight"].grad = None
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+        after()
+    return statistics.median(times)
 
 
 def versions() -> dict:

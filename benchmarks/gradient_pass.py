@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.gpu import median_ms
 from compiled_grpo import streaming, tiling
 from compiled_grpo.head import Head, VocabShard
 from compiled_grpo.kernels import Kernels
@@ -56,18 +56,6 @@ def engine_with(options) -> Engine:
             streaming.gradient_vocab_tile, fullgraph=True, dynamic=False, options=options
         )
     return Engine(kernels, tiling.Tiles.for_device(torch.device("cuda")), VocabShard())
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def kernel_count(fn) -> int:
@@ -137,11 +125,11 @@ def measured(row: dict, fn, repeats: int):
         out = fn()
         torch.cuda.synchronize()
         row["first_call_s"] = time.perf_counter() - start
-        row["ms"] = timed(fn, repeats)
+        row["ms"] = median_ms(fn, repeats)
         row["kernels"] = kernel_count(fn)
         if CAPTURED:  # the GPU's time alone, without the host's launches
             replay, _ = as_replay(fn)
-            row["replay_ms"] = timed(replay, repeats)
+            row["replay_ms"] = median_ms(replay, repeats)
         return out
     except Exception as e:  # noqa: BLE001 - report, never drop silently
         row["status"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
@@ -191,7 +179,7 @@ def run_hidden(hidden_size: int, repeats: int, chunks: list[tuple[int, int]], su
         out.append(row)
     z = (x @ w.T).requires_grad_()
     floor = lambda: (z @ w, z.T @ x)
-    out.append({"H": hidden_size, "pass": "floor: dX and dW GEMMs", "ms": timed(floor, repeats)})
+    out.append({"H": hidden_size, "pass": "floor: dX and dW GEMMs", "ms": median_ms(floor, repeats)})
     return out
 
 
