@@ -117,3 +117,19 @@ def test_rounded_logits_without_grad_mode(schedule, context):
     grad_mode, _ = call(loss_fn, x)
     out, _ = call(loss_fn, x, context=CONTEXTS[context])
     assert_same_outputs(out, grad_mode)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_rounded_primitive_without_grad_mode(context):
+    """fused_linear_logprobs(round_logits=True) on bf16 outside grad mode: the grad-mode call's bits (old and
+    reference log-probs that compiled_fused_head(round_logits=True) scores agree with the policy's)."""
+    from compiled_grpo import fused_linear_logprobs
+
+    x = make_inputs(seed=6, dtype=torch.bfloat16, bias=True, logit_std=4.0)
+    tiles = {k: TILES[k] for k in ("token_tile", "tail_tile", "vocab_tile")}
+    primitive = lambda: fused_linear_logprobs(x["hidden"], x["weight"].detach().requires_grad_(), x["completion_ids"],
+                                              bias=x["bias"], compiled=False, round_logits=True, **tiles)  # fmt: skip
+    trained = primitive()
+    with CONTEXTS[context]():
+        scored = primitive()
+    assert torch.equal(scored.logp, trained.logp) and torch.equal(scored.entropy, trained.entropy)
