@@ -5,6 +5,9 @@ objective, gradient passes, metrics...) are wrapped in profiler ranges for the p
 gap's time is charged to the innermost phase the host was in.
 
 python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
+
+`--schedule` is one of the GRPO loss's schedules, or `primitive` (`fused_linear_logprobs` with the loss on top)
+or `trl` (TRL 1.16's fused head with the same loss), as benchmarks.gpu runs them.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import math
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import reference
+from benchmarks import gpu
 from benchmarks.gpu import SHAPES, loss_settings, make_inputs
-from compiled_grpo import FusedLinearGRPOLoss, batch_objective, quantile, tiling, validation
+from compiled_grpo import FusedLinearGRPOLoss, batch_objective, logprobs, quantile, tiling, validation
 from compiled_grpo.schedules import memory, passes, sparse, speed
 
 # (owner, attribute) of the phases charged with idle time
@@ -27,10 +32,11 @@ PHASES = (
     (passes, "gather_slots"), (passes, "statistics_pass"), (passes, "vocab_outer_gradients"),
     (passes.TokenOuterGradients, "add"), (passes.TokenOuterGradients, "result"), (sparse, "rows_with_gradient"),
     (sparse, "gradients_of_rows"), (batch_objective.Objective, "loss_and_metrics"), (batch_objective, "metrics"),
-    (batch_objective.Objective, "normalizers"), (quantile, "high_entropy_mask"), (validation, "check_statistics"),
+    (batch_objective.Objective, "normalizers"), (quantile, "high_entropy_mask"), (validation, "statistics_faults"),
     (speed.PrecomputedGradients, "backward"), (memory.StatisticsThenRecompute, "backward"),
-    (sparse.StatisticsThenSparseGradients, "backward"),
+    (sparse.StatisticsThenSparseGradients, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
 )  # fmt: skip
+HEADS = {"primitive": gpu.primitive(), "trl": gpu.trl_fused_head}  # heads with the loss on top, as benchmarks.gpu
 
 
 @contextlib.contextmanager
@@ -69,12 +75,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     x = make_inputs(shape)
-    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=args.schedule, validate=False, **loss_settings(shape))
-
-    def run():
-        h = x["hidden"].detach().requires_grad_()
-        loss_fn(h, x["weight"], x["ids"], x["mask"], x["advantages"]).loss.backward()
-        x["weight"].grad = None
+    run = method(args.schedule, shape, x)
 
     for _ in range(3):
         run()
@@ -88,6 +89,26 @@ def main(argv=None):
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70)
     print(table)
     print_gaps(prof, runs=3)
+
+
+def method(name: str, shape, x):
+    """One forward and backward of `name` on the inputs `x`, as a closure."""
+    if name in HEADS:
+        step = HEADS[name](shape, x)
+        if isinstance(step, str):  # a baseline that is not installed
+            raise SystemExit(step)
+    else:
+        loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=name, validate=False, **loss_settings(shape))
+
+        def step():
+            h = x["hidden"].detach().requires_grad_()
+            loss_fn(h, x["weight"], x["ids"], x["mask"], x["advantages"]).loss.backward()
+
+    def run():
+        step()
+        x["weight"].grad = None
+
+    return run
 
 
 def kind(name: str) -> str:

@@ -75,9 +75,9 @@ class Kernels:
         wrap = compile_tile if compiled else (lambda f: f)
         self.compiled = compiled
         self.statistics = wrap(streaming.statistics_tile)
+        self.statistics_with_extras = wrap(streaming.statistics_with_extras_tile)
         self.partial_statistics = wrap(streaming.partial_statistics_tile)
         self.statistics_and_product = wrap(streaming.statistics_and_product_tile)
         self.partial_statistics_and_product = wrap(streaming.partial_statistics_and_product_tile)
         self.gradient_from_product = wrap(streaming.gradient_from_product_tile)
         self.gradient_vocab = wrap(streaming.gradient_vocab_tile)
-        self.extra_statistics = wrap(streaming.extra_statistics_tile)

@@ -29,7 +29,7 @@ from .faults import Deferred, Faults
 from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
 from .schedules import memory, sparse
-from .schedules.passes import Engine, statistics_pieces
+from .schedules.passes import Engine, statistics_pass
 from .streaming import stat_dtype
 from .tiling import DEFAULT_WORKSPACE_BYTES, TilePlan, Tiles, from_slots, plan_mask, to_slots
 
@@ -90,17 +90,23 @@ def fused_linear_logprobs(
     validation.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
                       vocab_parallel_group, vocab_start, tiles, capture, round_logits)  # fmt: skip
+    return logprobs_of_call(hidden, weight, targets, bias, options, entropy)[0]
+
+
+def logprobs_of_call(hidden, weight, targets, bias, options: Options, entropy: bool, extras: bool = False):
+    """(LogProbs, ExtraStatistics or None): the statistics pass with its recomputing backward, checked."""
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
     function = memory.StatisticsThenRecompute if parallel else sparse.StatisticsThenSparseGradients
     with torch.autocast(call.stream.hidden.device.type, enabled=False):
-        logp, ent = memory.stream_statistics(function, call.engine, call.stream, call.plan, call.head)
-    if validate:
+        logp, ent, *more = memory.stream_statistics(function, call.engine, call.stream, call.plan, call.head, extras)
+    if options.validate:
         later = faults.deferred(call.stream.hidden.device)
         found = validation.statistics_faults(call.valid, logp, ent, call.stream.hidden, call.head.weight,
                                              call.head.bias, later=later)  # fmt: skip
         PRIMITIVE_DEFERRED.keep(found) if later else found.settle()
-    return LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
+    found = LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
+    return found, ExtraStatistics(*(t.view(targets.shape) for t in more)) if extras else None
 
 
 class ExtraStatistics(NamedTuple):
@@ -129,16 +135,24 @@ def fused_linear_extra_statistics(
     call = prepare(hidden, weight, targets, bias, options)
     x = to_slots(call.stream.hidden, call.plan, fill=None)
     ids = to_slots(call.stream.completion_ids, call.plan, fill=0)
-    pieces = statistics_pieces(call.engine, call.plan.tiles)
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        head = call.head.detached()
-        outs = [call.engine.kernels.extra_statistics(x[s : s + n], ids[s : s + n], head.rows(s, n)) for s, n in pieces]
-        numel = call.stream.completion_ids.numel()
-        fields = []
-        for i, dtype in enumerate((stat_dtype(x), stat_dtype(x), torch.bool)):
-            slots = torch.cat([o[i] for o in outs]) if outs else x.new_zeros(0, dtype=dtype)
-            fields.append(from_slots(slots, call.plan, numel).view(targets.shape))
-    return ExtraStatistics(*fields)
+        per_slot = statistics_pass(call.engine, x, ids, call.head.detached(), call.plan.tiles, extras=True)[3:]
+    numel = call.stream.completion_ids.numel()
+    return ExtraStatistics(*(from_slots(values, call.plan, numel).view(targets.shape) for values in per_slot))
+
+
+def fused_linear_logprobs_with_extras(hidden, weight, targets, *, bias=None, temperature=1.0,
+                                      logit_scale: float = 1.0, final_logit_softcapping: float | None = None,
+                                      ignore_index: int = -100, entropy: bool = True, compiled: bool = True,
+                                      validate: bool = True, capture: bool = False, round_logits: bool = False,
+                                      **tiles: int) -> tuple[LogProbs, ExtraStatistics]:  # fmt: skip
+    """`fused_linear_logprobs` (same arguments, no vocabulary-parallel head) and, from the same statistics pass, the
+    fields of `fused_linear_extra_statistics` (without gradient, of the same logits: rounded with
+    `round_logits=True`): what TRL's SFT, DPO and KTO trainers ask of their head, in one read of the logits."""
+    validation.unknown_names(tiles, TILE_OPTIONS + WITH_EXTRAS_OPTIONS, "fused_linear_logprobs_with_extras()")
+    options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate, None,
+                      0, tiles, capture, round_logits)  # fmt: skip
+    return logprobs_of_call(hidden, weight, targets, bias, options, entropy, extras=True)
 
 
 def _keywords(function) -> tuple[str, ...]:
@@ -149,6 +163,7 @@ def _keywords(function) -> tuple[str, ...]:
 # every keyword, so that a misspelt one (tiles swallows unknown names) gets the closest valid name suggested
 LOGPROBS_OPTIONS = _keywords(fused_linear_logprobs)
 EXTRA_OPTIONS = _keywords(fused_linear_extra_statistics)
+WITH_EXTRAS_OPTIONS = _keywords(fused_linear_logprobs_with_extras)
 
 
 # The primitive's captured calls (`capture=True`) and value checks read at a later call (`faults.Deferred`): one of

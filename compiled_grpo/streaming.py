@@ -104,36 +104,47 @@ def inverse_temperature(head: Head) -> torch.Tensor:
 FOLD_CHUNK = 8192  # vocabulary entries per chunk of the fold: re-read from cache (fastest of 256..8192 on an H200)
 
 
-def _fold_rows(z: torch.Tensor):
-    """Over the last dim: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m)."""
+def _fold_rows(z: torch.Tensor, extras: bool = False):
+    """Over the last dim: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m); with `extras` also
+    q = sum exp(z - m)^2, the sum of z and the first index of the max."""
     m = z.amax(-1, keepdim=True)
     shifted = z - m
     e = torch.exp(shifted)
-    return m.squeeze(-1), e.sum(-1), (e * shifted).sum(-1)
+    folded = (m.squeeze(-1), e.sum(-1), (e * shifted).sum(-1))
+    return folded + ((e * e).sum(-1), z.sum(-1), z.argmax(-1)) if extras else folded
 
 
-def _fold(z: torch.Tensor):
-    """(m, s, u) per row of z [n,V], in one read of z: each row is folded in chunks of FOLD_CHUNK entries (the
-    max and the sums of a chunk come from the same cached data, where a whole row of 152k float32 would be
-    read twice from memory), and the chunks are combined rescaled to the row max. Every term of the combined
-    u is <= 0, so the sum has no cancellation."""
+def _fold(z: torch.Tensor, extras: bool = False):
+    """(m, s, u) per row of z [n,V] (with `extras`: and q, sum z, argmax z, as `_fold_rows`), in one read of z:
+    each row is folded in chunks of FOLD_CHUNK entries (the max and the sums of a chunk come from the same cached
+    data, where a whole row of 152k float32 would be read twice from memory), and the chunks are combined
+    rescaled to the row max. Every term of the combined u is <= 0, so the sum has no cancellation."""
     n, vocab = z.shape
     whole = vocab // FOLD_CHUNK * FOLD_CHUNK
     parts = []
     if whole:
-        parts.append(_fold_rows(z[:, :whole].view(n, whole // FOLD_CHUNK, FOLD_CHUNK)))
+        parts.append(_fold_rows(z[:, :whole].view(n, whole // FOLD_CHUNK, FOLD_CHUNK), extras))
     if whole < vocab:
-        parts.append(_fold_rows(z[:, whole:].unsqueeze(1)))
-    m_c, s_c, u_c = (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
+        parts.append(_fold_rows(z[:, whole:].unsqueeze(1), extras))
+    m_c, s_c, u_c, *more = (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
     m = m_c.amax(-1, keepdim=True)
     gap = m_c - m
     rescale = torch.exp(gap)
-    return m.squeeze(-1), (s_c * rescale).sum(-1), (rescale * (u_c + s_c * gap)).sum(-1)
+    folded = (m.squeeze(-1), (s_c * rescale).sum(-1), (rescale * (u_c + s_c * gap)).sum(-1))
+    if not extras:
+        return folded
+    q_c, sum_c, argmax_c = more
+    first = m_c.argmax(-1, keepdim=True)  # the first chunk that holds the row's max (the tail chunk is last)
+    argmax = argmax_c.gather(-1, first).squeeze(-1) + first.squeeze(-1) * FOLD_CHUNK
+    return folded + ((q_c * rescale * rescale).sum(-1), sum_c.sum(-1), argmax)
 
 
 def fold_statistics(z: torch.Tensor, targets: torch.Tensor):
     """(logp, entropy, lse) per row of a full-vocabulary logits tile z [n,V]."""
-    m, s, u = _fold(z)
+    return _statistics_of_fold(z, targets, *_fold(z))
+
+
+def _statistics_of_fold(z, targets, m, s, u):
     log_s = torch.log(s)
     lse = m + log_s
     entropy = log_s - u / s
@@ -209,12 +220,12 @@ def gradient_vocab_tile(x, rows: RowGradients, head: Head, v0):
     return d_raw.to(x.dtype), d_raw.sum(0) if head.bias is not None else None
 
 
-def extra_statistics_tile(x, targets, head: Head):
-    """Without gradient, TRL's other per-token fields of one token tile: log sum_v p_v^2, the mean logit and
-    whether the target is the first maximal logit (argmax takes the lowest id among ties)."""
+def statistics_with_extras_tile(x, targets, head: Head):
+    """`statistics_tile`'s (logp, entropy, lse) and, from the same read of the logits, TRL's other per-token
+    fields: log sum_v p_v^2, the mean logit and whether the target is the first maximal logit (argmax takes the
+    lowest id among ties)."""
     z = tile_logits(x, head)
-    m = z.amax(-1, keepdim=True)
-    e = torch.exp(z - m)
-    log_sum_sq = torch.log((e * e).sum(-1)) - 2 * torch.log(e.sum(-1))
-    is_top1 = z.argmax(-1) == targets.clamp(0, z.shape[-1] - 1)
-    return log_sum_sq, z.mean(-1), is_top1
+    m, s, u, q, z_sum, argmax = _fold(z, extras=True)
+    statistics = _statistics_of_fold(z, targets, m, s, u)
+    log_sum_sq = torch.log(q) - 2 * torch.log(s)
+    return statistics + (log_sum_sq, z_sum / z.shape[-1], argmax == targets.clamp(0, z.shape[-1] - 1))

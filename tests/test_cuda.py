@@ -149,6 +149,38 @@ def test_primitive_against_trls_triton_head_on_gpu():
         assert ours_error <= trl_error * 1.05 + 1e-6 * float(r.abs().max()), (name, ours_error, trl_error)
 
 
+def test_extras_from_the_same_pass_on_gpu():
+    """fused_linear_logprobs_with_extras (compiled, bf16, captured or not): log-probs, entropies and gradients
+    bitwise the plain primitive's; the extra fields those of fused_linear_extra_statistics' separate pass."""
+    from compiled_grpo import fused_linear_logprobs
+    from compiled_grpo.logprobs import fused_linear_extra_statistics, fused_linear_logprobs_with_extras
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    N, H, V = 3000, 512, 50000
+    hidden = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) / H**0.5 * 2
+    targets = torch.randint(0, V, (N,), device="cuda", generator=g)
+    targets[::7] = -100
+    g_logp = torch.randn(N, device="cuda", generator=g)
+
+    def run(fn, **options):
+        h, w = (t.clone().requires_grad_() for t in (hidden, weight))
+        logprobs, extras = fn(h, w, **options)
+        (logprobs.logp.flatten() * g_logp).sum().backward()
+        return [logprobs.logp, logprobs.entropy, h.grad, w.grad], extras
+
+    plain, _ = run(lambda h, w: (fused_linear_logprobs(h, w, targets), None))
+    alone = fused_linear_extra_statistics(hidden, weight, targets)
+    for capture in (False, True):
+        for _ in range(3):  # captured: the first call runs uncaptured, the second captures, the third replays
+            fused, extras = run(lambda h, w, c=capture: fused_linear_logprobs_with_extras(h, w, targets, capture=c))
+        for a, b in zip(fused, plain, strict=True):
+            assert torch.equal(a, b), capture
+        assert torch.equal(extras.is_top1, alone.is_top1)
+        torch.testing.assert_close(extras.log_sum_sq_probs, alone.log_sum_sq_probs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(extras.mean_logits, alone.mean_logits, rtol=1e-5, atol=1e-6)
+
+
 def test_audits_packed_cells_on_gpu():
     """The audit's packed (padding-free) cells on the GPU: every loss type on speed and sparse, eager, float32, all
     passing (their batch is packed on the GPU, indices included)."""

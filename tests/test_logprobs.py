@@ -12,6 +12,7 @@ from cases import TILES
 
 import reference
 from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, streaming
+from compiled_grpo.logprobs import fused_linear_extra_statistics, fused_linear_logprobs_with_extras
 from compiled_grpo.schedules import sparse
 
 PRIMITIVE_TILES = {k: v for k, v in TILES.items() if k in ("token_tile", "tail_tile", "vocab_tile", "sparse_tile")}
@@ -250,6 +251,60 @@ def test_bad_inputs_name_the_argument():
         fused_linear_logprobs(hidden, bad_weight, targets, compiled=False)
 
 
+@pytest.mark.parametrize("head", [{"temperature": 0.7}, {"final_logit_softcapping": 2.0, "logit_scale": 1.3}],
+                         ids=["temperature", "softcap"])  # fmt: skip
+def test_with_extras_is_the_primitive_plus_the_extra_fields(head):
+    """fused_linear_logprobs_with_extras: the primitive's log-probs, entropies and gradients bitwise, and the
+    reference's extra fields (and fused_linear_extra_statistics' bitwise), from the one statistics pass."""
+    hidden, weight, bias, targets, g = make(shape=(3, 37))
+    upstream = (
+        torch.randn(3, 37, generator=g, dtype=torch.float64),
+        torch.randn(3, 37, generator=g, dtype=torch.float64),
+    )
+    options = {"compiled": False, **PRIMITIVE_TILES, **head}
+    plain_in, ours_in = leaves(hidden, weight, bias), leaves(hidden, weight, bias)
+    plain = fused_linear_logprobs(plain_in[0], plain_in[1], targets, bias=plain_in[2], **options)
+    ours, extras = fused_linear_logprobs_with_extras(ours_in[0], ours_in[1], targets, bias=ours_in[2], **options)
+    assert torch.equal(ours.logp, plain.logp) and torch.equal(ours.entropy, plain.entropy)
+    for a, b in zip(grads_of(*ours, upstream, ours_in), grads_of(*plain, upstream, plain_in), strict=True):
+        assert torch.equal(a, b)
+    assert not any(t.requires_grad for t in extras)
+    ref = reference.fused_linear_logprobs(hidden, weight, targets, bias=bias, **head)
+    torch.testing.assert_close(extras.log_sum_sq_probs, ref.log_sum_sq_probs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(extras.mean_logits, ref.mean_logits, rtol=1e-10, atol=1e-10)
+    assert torch.equal(extras.is_top1, ref.is_top1)
+    alone = fused_linear_extra_statistics(hidden, weight, targets, bias=bias, **options)
+    for a, b in zip(extras, alone, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_is_top1_takes_the_first_maximum_across_fold_chunks():
+    """The extra fields fold the vocabulary in chunks of FOLD_CHUNK entries: a maximum tied between two chunks
+    (and within one) belongs to its lowest id, as torch.argmax and TRL's head have it; the other fields match
+    the reference across the chunks and the tail."""
+    V, chunk = 2 * streaming.FOLD_CHUNK + 100, streaming.FOLD_CHUNK
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(V, 8, generator=g, dtype=torch.float64) * 0.1
+    hidden = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    top = hidden[0] / hidden[0].norm() * 3
+    tied = (chunk + 5, 2 * chunk + 7, 17, chunk + 9)  # one id in each later chunk (the tail included), ...
+    weight[list(tied)] = top  # ... and two in the first two chunks
+    hidden[:] = hidden[0]
+    targets = torch.tensor([17, chunk + 5, 2 * chunk + 7, chunk + 9, 3, 17])
+    _, extras = fused_linear_logprobs_with_extras(hidden, weight, targets, compiled=False)
+    assert extras.is_top1.tolist() == [True, False, False, False, False, True]
+    ref = reference.fused_linear_logprobs(hidden, weight, targets)
+    assert torch.equal(extras.is_top1, ref.is_top1)
+    torch.testing.assert_close(extras.log_sum_sq_probs, ref.log_sum_sq_probs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(extras.mean_logits, ref.mean_logits, rtol=1e-10, atol=1e-10)
+
+
+def test_with_extras_refuses_a_vocabulary_parallel_head():
+    hidden, weight, _, targets, _ = make()
+    with pytest.raises(TypeError, match="vocab_parallel_group"):
+        fused_linear_logprobs_with_extras(hidden, weight, targets, compiled=False, vocab_parallel_group=object())
+
+
 @pytest.mark.compiled
 def test_compiled_matches_reference_and_reuses_graphs():
     """Compiled, float32: the reference's values and gradients; new batch shapes and temperatures reuse the
@@ -275,3 +330,18 @@ def test_compiled_matches_reference_and_reuses_graphs():
     run(1, (5, 29), 1.3)
     run(2, (111,), 0.6)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.compiled
+def test_compiled_with_extras_is_the_compiled_primitive_bitwise():
+    """Compiled: the statistics pass with the extra fields gives the plain pass's log-probs and entropies bitwise,
+    and the reference's extra fields."""
+    tiles = {"token_tile": 64, "tail_tile": 64, "vocab_tile": 256, "sparse_tile": 64}
+    hidden, weight, bias, targets, _ = make(0, (3, 37), dtype=torch.float32)
+    plain = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.8, **tiles)
+    ours, extras = fused_linear_logprobs_with_extras(hidden, weight, targets, bias=bias, temperature=0.8, **tiles)
+    assert torch.equal(ours.logp, plain.logp) and torch.equal(ours.entropy, plain.entropy)
+    ref = reference.fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.8)
+    torch.testing.assert_close(extras.log_sum_sq_probs.double(), ref.log_sum_sq_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(extras.mean_logits.double(), ref.mean_logits, rtol=1e-5, atol=1e-6)
+    assert torch.equal(extras.is_top1, ref.is_top1)

@@ -124,8 +124,10 @@ def one_step(make_trainer, ours: bool):
     """Parameters after one optimizer step and the logged loss; TRL's head, or ours via the switch."""
     trainer = make_trainer()
     calls = []
-    original = integration.fused_linear_logprobs
-    integration.fused_linear_logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
+    entries = ("fused_linear_logprobs", "fused_linear_logprobs_with_extras")  # the head's two ways in
+    originals = {name: getattr(integration, name) for name in entries}
+    for name, original in originals.items():
+        setattr(integration, name, lambda *a, original=original, **k: calls.append(1) or original(*a, **k))
     try:
         if ours:
             with compiled_fused_head(compiled=False):
@@ -133,7 +135,8 @@ def one_step(make_trainer, ours: bool):
         else:
             trainer.train()
     finally:
-        integration.fused_linear_logprobs = original
+        for name, original in originals.items():
+            setattr(integration, name, original)
     assert bool(calls) == ours  # the switch reached the trainer's head, and only inside the block
     loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
     return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}, loss

@@ -27,7 +27,7 @@ import trl.trainer.utils as trl_utils
 from trl import GRPOTrainer
 
 from .. import logprobs
-from ..logprobs import fused_linear_extra_statistics, fused_linear_logprobs
+from ..logprobs import fused_linear_logprobs, fused_linear_logprobs_with_extras
 from ..loss import FusedLinearGRPOLoss
 from ..schedules import sparse
 from ..tiling import Tiles
@@ -258,9 +258,9 @@ class FusedHeadFunction:
     (hidden [N, H], weight, bias, targets [N], temperature, chunk_size, final_logit_softcapping, logit_scale,
     outputs) and returns its five outputs (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1; None
     for those `outputs` does not ask for). log_probs and entropy come from `fused_linear_logprobs` (differentiable,
-    the backward skipping rows whose upstream gradients are zero); the other three, without gradient, from one
-    more statistics pass (`fused_linear_extra_statistics`). `chunk_size` (TRL's vocabulary chunk) is not used:
-    the tiles are this library's."""
+    the backward skipping rows whose upstream gradients are zero); the other three, without gradient, from the
+    same statistics pass (`fused_linear_logprobs_with_extras`) where any is asked for. `chunk_size` (TRL's
+    vocabulary chunk) is not used: the tiles are this library's."""
 
     compiled = True
     capture = False  # the primitive's passes as CUDA graph replays (`fused_linear_logprobs(capture=True)`)
@@ -271,14 +271,12 @@ class FusedHeadFunction:
               logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):  # fmt: skip
         head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale,
                 "final_logit_softcapping": final_logit_softcapping, "compiled": cls.compiled}  # fmt: skip
-        logp, entropy = fused_linear_logprobs(hidden, weight, targets, entropy="entropy" in outputs,
-                                              capture=cls.capture, round_logits=cls.round_logits, **head)  # fmt: skip
-        extras = (None, None, None)
+        options = dict(entropy="entropy" in outputs, capture=cls.capture, round_logits=cls.round_logits, **head)
         wanted = [name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")]
-        if any(wanted):
-            found = fused_linear_extra_statistics(hidden.detach(), weight.detach(), targets, **head)
-            extras = tuple(value if want else None for value, want in zip(found, wanted, strict=True))
-        return (logp, entropy, *extras)
+        if not any(wanted):
+            return (*fused_linear_logprobs(hidden, weight, targets, **options), None, None, None)
+        (logp, entropy), found = fused_linear_logprobs_with_extras(hidden, weight, targets, **options)
+        return (logp, entropy, *(value if want else None for value, want in zip(found, wanted, strict=True)))
 
 
 class EagerFusedHeadFunction(FusedHeadFunction):

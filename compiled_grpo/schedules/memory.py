@@ -39,25 +39,29 @@ class Recompute:
     targets: torch.Tensor
     tiles: tuple
     template: Head  # the head without its weight and bias (autograd saves those)
+    extras: bool = False  # the forward also returns TRL's other per-token fields (no gradient), from the same pass
 
     def head(self, weight, bias) -> Head:
         return self.template._replace(weight=weight, bias=bias)
 
 
 class StatisticsThenRecompute(torch.autograd.Function):
-    """logp and entropy per slot from x [slots, H]; gradients recomputed vocabulary-outer in the backward."""
+    """logp and entropy per slot from x [slots, H] (with `Recompute.extras`, then log_sum_sq_probs, mean_logits
+    and is_top1, without gradient); gradients recomputed vocabulary-outer in the backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, setup: Recompute):
         head = setup.head(weight, bias)
-        logp, entropy, lse = passes.captured_statistics_pass(setup.engine, x, setup.targets, head, setup.tiles)
+        passed = passes.captured_statistics_pass(setup.engine, x, setup.targets, head, setup.tiles, setup.extras)
+        logp, entropy, lse, *extras = passed
         ctx.save_for_backward(x, weight, bias, lse, entropy)
         ctx.setup = setup
         ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: no work for it
-        return logp, entropy
+        ctx.mark_non_differentiable(*extras)
+        return logp, entropy, *extras
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy):
+    def backward(ctx, g_logp, g_entropy, *_extras):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
         head = s.head(weight, bias)
@@ -68,21 +72,23 @@ class StatisticsThenRecompute(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head):
-    """(logp, entropy) per slot through `function`, an autograd Function of this module's form."""
-    setup = Recompute(engine, slots.targets, slots.plan.tiles, head._replace(weight=None, bias=None))
+def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head, extras: bool = False):
+    """(logp, entropy) per slot (with `extras`, and the three extra fields) through `function`, an autograd
+    Function of this module's form."""
+    setup = Recompute(engine, slots.targets, slots.plan.tiles, head._replace(weight=None, bias=None), extras)
     return function.apply(slots.x, head.weight, head.bias, setup)
 
 
-def stream_statistics(function, engine: Engine, targets, plan: TilePlan, head: Head):
+def stream_statistics(function, engine: Engine, targets, plan: TilePlan, head: Head, extras: bool = False):
     """Differentiable (logp, entropy) of every flat [B*T] position, 0 where `plan` has no slot, through `function`
-    (this module's autograd Function or the sparse schedule's). `targets`: anything with `hidden`,
+    (this module's autograd Function or the sparse schedule's); with `extras`, followed by log_sum_sq_probs,
+    mean_logits and is_top1 (no gradient) from the same pass. `targets`: anything with `hidden`,
     `completion_ids` and `hidden_rows` (`inputs.LossInputs`, `logprobs.Targets`). The one engine the memory and
     sparse schedules of the GRPO loss and `fused_linear_logprobs` share."""
     hidden, ids = targets.hidden, targets.completion_ids
     slots = passes.gather_slots(hidden, ids, plan, engine.shard.start, targets.hidden_rows)
-    logp, entropy = statistics_with_recompute(function, engine, slots, head)
-    return tiling.from_slots(logp, plan, ids.numel()), tiling.from_slots(entropy, plan, ids.numel())
+    per_slot = statistics_with_recompute(function, engine, slots, head, extras)
+    return tuple(tiling.from_slots(values, plan, ids.numel()) for values in per_slot)
 
 
 def run(engine: Engine, objective: Objective, head: Head, plan: TilePlan):

@@ -72,15 +72,19 @@ def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0, rows=None) -
     return Slots(plan, x, targets)
 
 
-def statistics_pass(engine: Engine, x, targets, head: Head, tiles):
+def statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool = False):
     """(logp, entropy, lse) for the slots of `tiles`, `stats_rows` tokens at a time against the whole vocabulary (a tile
     of more rows is split, keeping the [rows, V] float32 logits the only large temporary). With a vocabulary-
-    parallel shard, `head` is this rank's slice and the slices' statistics are combined across its group."""
-    fold = engine.kernels.partial_statistics if engine.shard.parallel else engine.kernels.statistics
+    parallel shard, `head` is this rank's slice and the slices' statistics are combined across its group.
+    `extras` (whole vocabulary only): also (log_sum_sq_probs, mean_logits, is_top1), from the same read."""
+    if extras and engine.shard.parallel:
+        raise ValueError("the extra statistics need the whole vocabulary on one rank (no vocabulary-parallel head)")
+    fold = engine.kernels.statistics_with_extras if extras else engine.kernels.statistics
+    fold = engine.kernels.partial_statistics if engine.shard.parallel else fold
     outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in statistics_pieces(engine, tiles)]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
-        return empty, empty, empty
+        return (empty,) * 5 + (x.new_zeros(0, dtype=torch.bool),) if extras else (empty, empty, empty)
     outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
     return distributed.combine_vocab_shards(*outs, engine.shard.group) if engine.shard.parallel else outs
 
@@ -103,13 +107,14 @@ def captured_pass(engine: Engine, key, work, tensors: tuple):
         return captures.run(full_key, on_static, present)
 
 
-def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles):
+def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool = False):
     """`statistics_pass`, captured where the engine captures calls."""
 
     def work(x, targets, values, row_inv_temp):
-        return statistics_pass(engine, x, targets, head._replace(values=values, row_inv_temp=row_inv_temp), tiles)
+        h = head._replace(values=values, row_inv_temp=row_inv_temp)
+        return statistics_pass(engine, x, targets, h, tiles, extras)
 
-    key = ("statistics", tuple(tiles), head_key(head))
+    key = ("statistics", tuple(tiles), head_key(head), extras)
     return captured_pass(engine, key, work, (x, targets, head.values, head.row_inv_temp))
 
 

@@ -69,7 +69,7 @@ class StatisticsThenSparseGradients(StatisticsThenRecompute):
     """The memory schedule's forward; a backward over the rows with a non-zero upstream gradient only."""
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy):
+    def backward(ctx, g_logp, g_entropy, *_extras):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
         head = s.head(weight, bias)
