@@ -13,7 +13,7 @@ from compiled_grpo.schedules import memory, sparse, speed
 def gradient_rows():
     """Yields a list that gets one count per schedule call made inside the block."""
     counts = []
-    originals = speed.run, memory.run, sparse.gradients_of_rows
+    originals = speed.run, memory.run, sparse.rows_with_gradient
 
     def speed_run(engine, objective, head, plan):
         counts.append(plan.gradient.active.numel())
@@ -23,12 +23,13 @@ def gradient_rows():
         counts.append(plan.active.numel())
         return originals[1](engine, objective, head, plan)
 
-    def sparse_rows(engine, x, head, selected, *rest):
+    def sparse_rows(g_logp, g_entropy):  # the selection, compacted or (every token) not
+        selected, entropy_has_gradient = originals[2](g_logp, g_entropy)
         counts.append(selected.numel())
-        return originals[2](engine, x, head, selected, *rest)
+        return selected, entropy_has_gradient
 
-    speed.run, memory.run, sparse.gradients_of_rows = speed_run, memory_run, sparse_rows
+    speed.run, memory.run, sparse.rows_with_gradient = speed_run, memory_run, sparse_rows
     try:
         yield counts
     finally:
-        speed.run, memory.run, sparse.gradients_of_rows = originals
+        speed.run, memory.run, sparse.rows_with_gradient = originals

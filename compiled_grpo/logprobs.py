@@ -148,7 +148,9 @@ def fused_linear_logprobs_with_extras(hidden, weight, targets, *, bias=None, tem
                                       **tiles: int) -> tuple[LogProbs, ExtraStatistics]:  # fmt: skip
     """`fused_linear_logprobs` (same arguments, no vocabulary-parallel head) and, from the same statistics pass, the
     fields of `fused_linear_extra_statistics` (without gradient, of the same logits: rounded with
-    `round_logits=True`): what TRL's SFT, DPO and KTO trainers ask of their head, in one read of the logits."""
+    `round_logits=True`): what TRL's SFT, DPO and KTO trainers ask of their head, in one read of the logits.
+    Eager, the log-probs, entropies and gradients are `fused_linear_logprobs`' bitwise; compiled they may differ
+    by a float32 rounding (the pass is another compiled kernel, whose sums Inductor may order differently)."""
     validation.unknown_names(tiles, TILE_OPTIONS + WITH_EXTRAS_OPTIONS, "fused_linear_logprobs_with_extras()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate, None,
                       0, tiles, capture, round_logits)  # fmt: skip

@@ -150,8 +150,10 @@ def test_primitive_against_trls_triton_head_on_gpu():
 
 
 def test_extras_from_the_same_pass_on_gpu():
-    """fused_linear_logprobs_with_extras (compiled, bf16, captured or not): log-probs, entropies and gradients
-    bitwise the plain primitive's; the extra fields those of fused_linear_extra_statistics' separate pass."""
+    """fused_linear_logprobs_with_extras (compiled, bf16, captured or not): log-probs and entropies the plain
+    primitive's to float32 rounding (its statistics pass is another compiled kernel, whose sums Inductor may
+    order differently: 1.9e-6 at logp ~ -12 measured), gradients to one bf16 rounding; the extra fields those of
+    fused_linear_extra_statistics' separate pass."""
     from compiled_grpo import fused_linear_logprobs
     from compiled_grpo.logprobs import fused_linear_extra_statistics, fused_linear_logprobs_with_extras
 
@@ -174,8 +176,10 @@ def test_extras_from_the_same_pass_on_gpu():
     for capture in (False, True):
         for _ in range(3):  # captured: the first call runs uncaptured, the second captures, the third replays
             fused, extras = run(lambda h, w, c=capture: fused_linear_logprobs_with_extras(h, w, targets, capture=c))
-        for a, b in zip(fused, plain, strict=True):
-            assert torch.equal(a, b), capture
+        for name, a, b in zip(("logp", "entropy", "d hidden", "d weight"), fused, plain, strict=True):
+            error, scale = float((a.double() - b.double()).abs().max()), float(b.double().abs().max())
+            ulp = 2**-22 if a.dtype == torch.float32 else 2**-7  # two float32 roundings, or one bf16 rounding
+            assert error <= ulp * scale, (name, capture, error, scale)
         assert torch.equal(extras.is_top1, alone.is_top1)
         torch.testing.assert_close(extras.log_sum_sq_probs, alone.log_sum_sq_probs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(extras.mean_logits, alone.mean_logits, rtol=1e-5, atol=1e-6)

@@ -40,6 +40,7 @@ class Recompute:
     tiles: tuple
     template: Head  # the head without its weight and bias (autograd saves those)
     extras: bool = False  # the forward also returns TRL's other per-token fields (no gradient), from the same pass
+    active_rows: int = 0  # slots that hold a token (the others are padding)
 
     def head(self, weight, bias) -> Head:
         return self.template._replace(weight=weight, bias=bias)
@@ -75,7 +76,8 @@ class StatisticsThenRecompute(torch.autograd.Function):
 def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head, extras: bool = False):
     """(logp, entropy) per slot (with `extras`, and the three extra fields) through `function`, an autograd
     Function of this module's form."""
-    setup = Recompute(engine, slots.targets, slots.plan.tiles, head._replace(weight=None, bias=None), extras)
+    template = head._replace(weight=None, bias=None)
+    setup = Recompute(engine, slots.targets, slots.plan.tiles, template, extras, slots.plan.active.numel())
     return function.apply(slots.x, head.weight, head.bias, setup)
 
 

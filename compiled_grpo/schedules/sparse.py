@@ -8,6 +8,8 @@ backward: the objective's gradients d loss / d logp and d loss / d entropy are k
           skipped: the others are compacted (the one wait on the GPU of the backward) into static tile shapes
           and their logits recomputed. 2NHV + 6nHV FLOPs for n rows with a gradient, against the memory
           schedule's 8NHV. A skipped row's dX is exactly 0.
+          Where every token has a gradient and the pass is vocabulary-outer, it runs over the forward's slots
+          as they are (the memory schedule's backward, no compaction).
           Two ways, chosen by the number n of selected rows (`token_outer`):
           - token-outer: whole-vocabulary tiles of `sparse_tile` rows, dX from one GEMM per tile, dW from one GEMM
             over every row's buffered 16-bit gradient. With 16-bit inputs while those n rows of gradients take no
@@ -78,6 +80,9 @@ class StatisticsThenSparseGradients(StatisticsThenRecompute):
         selected, entropy_has_gradient = rows_with_gradient(g_logp, g_entropy)
         g_entropy = g_entropy if entropy_has_gradient else None  # all zero: no entropy term in the tiles
         per_slot = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
+        if selected.numel() == s.active_rows and not token_outer(s.engine, x, selected.numel()):
+            # every token has a gradient: the memory schedule's pass over the forward's slots (no compaction)
+            return *passes.captured_vocab_outer_gradients(s.engine, x, per_slot, head, s.tiles, wanted), None
         rows_plan, dx, dw, db = gradients_of_rows(s.engine, x, head, selected, wanted, per_slot)
         return tiling.from_slots(dx, rows_plan, x.shape[0]), dw, db, None
 
