@@ -2,7 +2,9 @@
 autograd), one cell per case x dtype x mode (eager, compiled, and captured on a GPU).
 
 Cases: plain; temperature per token; temperature per sequence; logit scale, softcap and bias; a custom
-ignore_index; 80% of the rows with zero upstream gradient (the sparse backward); no entropy gradient. Each cell
+ignore_index; 80% of the rows with zero upstream gradient (the sparse backward); no entropy gradient; the extra
+fields (`fused_linear_logprobs_with_extras`: log_sum_sq_probs, mean_logits and is_top1 against the reference's, from
+the same pass, beside its logp, entropy and gradients). Each cell
 checks per-token logp and entropy, that ignored targets give exactly 0, and the gradients of hidden, weight and
 bias for the case's upstream gradients (bf16: the three-way bound against plain bf16 autograd on full logits,
 as the loss audit). The vocabulary (V = 1021 quick) is not a multiple of any vocabulary tile.
@@ -16,14 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from compiled_grpo import fused_linear_logprobs
-from compiled_grpo.logprobs import PRIMITIVE_CAPTURES
+from compiled_grpo.logprobs import PRIMITIVE_CAPTURES, fused_linear_logprobs_with_extras
 
 from . import harness, reference, tolerances
 from .loss_audit import DTYPES, Size, relative_error
 from .results import CellResult
 
 CASES = ("plain", "temperature per token", "temperature per sequence", "scale softcap bias", "ignore_index 7",
-         "80% zero-gradient rows", "no entropy gradient")  # fmt: skip
+         "80% zero-gradient rows", "no entropy gradient", "extra fields")  # fmt: skip
+TOP1_MISMATCHES = 2e-3  # is_top1 may differ from float64's only where the top two logits tie to float32 rounding
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ def make_case(case: str, size: Size, dtype, device: str, seed: int = 0) -> dict:
         options["temperature"] = (torch.rand(B, 1, generator=g, dtype=torch.float64) + 0.5).to(device)
     elif case == "scale softcap bias":
         options.update(logit_scale=0.7, final_logit_softcapping=4.0, temperature=0.8)
+    elif case == "extra fields":
+        options.update(temperature=0.8)
     g_logp, g_entropy = rn(B, T), rn(B, T) * 0.3
     if case == "80% zero-gradient rows":
         keep = torch.rand(B, T, generator=g) < 0.2
@@ -109,8 +114,16 @@ def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
     result = CellResult("logprobs", cell.name, params={**cell.__dict__})
     x, options, upstream = case["x"], case["options"], case["upstream"]
     captured = cell.mode == "captured"
-    ours = lambda h, w, t, bias: fused_linear_logprobs(h, w, t, bias=bias, compiled=cell.mode != "eager",
-                                                       capture=captured, **options)  # fmt: skip
+    extras = []  # the extra fields of each call, with "extra fields"
+
+    def ours(h, w, t, bias):
+        primitive = fused_linear_logprobs_with_extras if cell.case == "extra fields" else fused_linear_logprobs
+        out = primitive(h, w, t, bias=bias, compiled=cell.mode != "eager", capture=captured, **options)
+        if cell.case == "extra fields":
+            out, extra = out
+            extras.append(extra)
+        return out
+
     ref = lambda h, w, t, bias: reference.fused_linear_logprobs(h, w, t, bias=bias, **options)[:2]
     replays = PRIMITIVE_CAPTURES.replays
     if captured:  # the checked call is a replay of the call's captured passes (`harness.after_warm_ups`)
@@ -122,6 +135,10 @@ def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
     tol = tolerances.for_dtype(cell.dtype)
     result.check("logp", relative_error(logp, ref_logp), tol["logp"])
     result.check("entropy", relative_error(entropy, ref_entropy), tol["entropy"])
+    if extras:
+        hidden, weight, bias = (None if x[k] is None else x[k].double() for k in ("hidden", "weight", "bias"))
+        check_extras(result, extras[-1], reference.fused_linear_logprobs(hidden, weight, x["targets"], bias=bias,
+                                                                           **options), tol)  # fmt: skip
     ignored = x["targets"] == options["ignore_index"]
     result.check("ignored targets exactly 0", float((logp[ignored] != 0).sum() + (entropy[ignored] != 0).sum()), 0.0)
     naive_grads = gradients(lambda h, w, t, bias: naive(h, w, t, bias, **options), x, upstream)[2]
@@ -132,6 +149,14 @@ def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
             bound = min(relative_error(naive_grads[k], g) + slack, tolerances.BF16_GRADIENT_CEILING)
         result.check(f"d {k}", relative_error(grads[k], g), bound)
     return result
+
+
+def check_extras(result: CellResult, extras, exact, tol) -> None:
+    """The extra fields against the float64 reference's (without gradient)."""
+    result.check("log_sum_sq_probs", relative_error(extras.log_sum_sq_probs, exact.log_sum_sq_probs), tol["logp"])
+    result.check("mean_logits", relative_error(extras.mean_logits, exact.mean_logits), tol["logp"])
+    mismatches = float((extras.is_top1 != exact.is_top1).double().mean())
+    result.check("is_top1 mismatches (fraction)", mismatches, TOP1_MISMATCHES)
 
 
 def run(audit_cells: list[LogProbsCell], size: Size, device: str, advance=lambda: None) -> list[CellResult]:
