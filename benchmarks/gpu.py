@@ -243,7 +243,8 @@ def liger_cute_head(shape, x):
     try:
         scaled._load_sm90_function()
     except Exception as e:  # noqa: BLE001 - the CUTLASS DSL wheels are a separate install
-        return f"skipped: Liger's CuTe head not importable ({type(e).__name__}: {str(e)[:80]})"
+        hint = "; installed with pip --target? put its nvidia_cutlass_dsl/dsl_packages on PYTHONPATH (a .pth file)"
+        return f"skipped: Liger's CuTe head not importable ({type(e).__name__}: {str(e)[:80]}){hint}"
     mask = x["mask"].bool()
 
     def head(hidden, weight):
