@@ -90,10 +90,10 @@ def fused_linear_logprobs(
     validation.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
                       vocab_parallel_group, vocab_start, tiles, capture, round_logits)  # fmt: skip
-    return logprobs_of_call(hidden, weight, targets, bias, options, entropy)[0]
+    return logprobs_of_call(hidden, weight, targets, bias, options, entropy=entropy)[0]
 
 
-def logprobs_of_call(hidden, weight, targets, bias, options: Options, entropy: bool, extras: bool = False):
+def logprobs_of_call(hidden, weight, targets, bias, options: Options, *, entropy: bool, extras: bool = False):
     """(LogProbs, ExtraStatistics or None): the statistics pass with its recomputing backward, checked."""
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
@@ -154,7 +154,7 @@ def fused_linear_logprobs_with_extras(hidden, weight, targets, *, bias=None, tem
     validation.unknown_names(tiles, TILE_OPTIONS + WITH_EXTRAS_OPTIONS, "fused_linear_logprobs_with_extras()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate, None,
                       0, tiles, capture, round_logits)  # fmt: skip
-    return logprobs_of_call(hidden, weight, targets, bias, options, entropy, extras=True)
+    return logprobs_of_call(hidden, weight, targets, bias, options, entropy=entropy, extras=True)
 
 
 def _keywords(function) -> tuple[str, ...]:
