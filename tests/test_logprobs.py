@@ -206,6 +206,17 @@ def test_without_grad_mode_bitwise(context):
     assert torch.equal(out.logp, grad_mode.logp) and torch.equal(out.entropy, grad_mode.entropy)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_with_extras_without_grad_mode_bitwise(context):
+    hidden, weight, bias, targets, _ = make(5, dtype=torch.float32)
+    h, w = leaves(hidden, weight)
+    grad_mode = fused_linear_logprobs_with_extras(h, w, targets, bias=bias, compiled=False)
+    with context():
+        out = fused_linear_logprobs_with_extras(hidden, weight, targets, bias=bias, compiled=False)
+    for a, b in zip((*out[0], *out[1]), (*grad_mode[0], *grad_mode[1]), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("schedule", ["memory", "sparse"])
 def test_the_grpo_loss_log_probs_are_the_primitives_bitwise(schedule):
     """The loss's memory and sparse schedules stream the same engine on the same tiles."""
