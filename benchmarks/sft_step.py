@@ -8,8 +8,10 @@ Models: `benchmarks.trl_step`'s Qwen2.5 shapes with random bf16 weights; micro-b
 tokens (a 64-token prompt whose labels are -100, then 1024 trained tokens).
 
     python -m benchmarks.sft_step --model 0.5B [--methods trl,compiled,captured,rounded] [--repeats 13] [--out DIR]
+    python -m benchmarks.sft_step --report DIR/sft-step-*.json [--out docs/benchmarks/sft-step]
 
-Writes `sft-step-<model>.json` (rows as `benchmarks.trl_step`'s); `--model tiny` runs on the CPU (a smoke test).
+The first writes `sft-step-<model>.json` (rows as `benchmarks.trl_step`'s); `--model tiny` runs on the CPU (a smoke
+test). `--report` joins such files into `sft-step.md` (each method's time against TRL's head) and `sft-step.png`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from benchmarks import trl_step
+from benchmarks import plots, trl_step
 from compiled_grpo.integrations.trl import compiled_fused_head
 
 METHODS = {  # name: the context the step runs in
@@ -64,14 +66,64 @@ def loss_of(trainer: SFTTrainer, inputs: dict, context) -> float:
         return float(trainer.compute_loss(trainer.model, dict(inputs)))
 
 
+LABELS = {
+    "trl": "TRL's fused head",
+    "compiled": "compiled_fused_head()",
+    "captured": "compiled_fused_head(capture=True)",
+    "rounded": "compiled_fused_head(round_logits=True)",
+}
+
+
+def report(files: list[str], out: Path) -> str:
+    """sft-step.md and sft-step.png in `out` from the runs' JSON files; returns the table."""
+    runs = [json.loads(Path(name).read_text()) for name in files]
+    rows = [r for run in runs for r in run["rows"]]
+    versions = runs[-1]["versions"]
+    present = [name for name in METHODS if any(r["method"] == name for r in rows)]
+    lines = [
+        "# An SFT step: TRL's fused head against this library's primitive",
+        "",
+        f"{versions.get('gpu')}; torch {versions.get('torch')}. Random bf16 weights of each model's shape; 8 sequences "
+        "of 64 prompt + 1024 trained tokens; `compute_loss` (the model's forward included) + backward, median of "
+        f"{versions.get('repeats', '?')} rounds, methods taking turns; peak memory above the model and inputs.",
+        "",
+        "| model | " + " | ".join(LABELS[name] for name in present) + " |",
+        "|---|" + "---|" * len(present),
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        lines.append(f"| {shape} | " + " | ".join(cell(mine, name) for name in present) + " |")
+    lines += ["", "![step time and peak memory](sft-step.png)", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sft-step.md").write_text("\n".join(lines))
+    named = [{**r, "method": LABELS[r["method"]]} for r in rows if r["method"] in LABELS]
+    plots.draw(named, out / "sft-step.png", f"SFT step, {versions.get('gpu')}: compute_loss + backward")
+    return "\n".join(lines)
+
+
+def cell(mine: dict, name: str) -> str:
+    """Time and peak memory of a method, and its time against TRL's head's."""
+    r, trl = mine.get(name), mine.get("trl", {})
+    if r is None or "ms" not in r:
+        return "-"
+    text = f"{r['ms']:.1f} ms, {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else f"{r['ms']:.1f} ms"
+    if name != "trl" and "ms" in trl:
+        text += f" ({r['ms'] / trl['ms'] - 1:+.1%})"
+    return text
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report", nargs="+", default=None, help="sft-step-*.json files to join into a table and picture")
     ap.add_argument("--model", choices=list(trl_step.QWEN), default="0.5B")
     ap.add_argument("--size", type=int, default=8)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"of {list(METHODS)}")
     ap.add_argument("--repeats", type=int, default=13, help="rounds; each runs every method once")
     ap.add_argument("--out", default="benchmark-results")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report, Path(args.out)))
+        return
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; methods: {list(METHODS)}")
