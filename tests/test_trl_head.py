@@ -1,6 +1,6 @@
 """TRL 1.16's fused LM head on this library (`compiled_fused_head`): the drop-in against TRL's own
-`ChunkedLogProbFunction` (its torch path on the CPU), and one training step of TRL's SFT, DPO and GRPO trainers
-with it against the same step with TRL's head."""
+`ChunkedLogProbFunction` (its torch path on the CPU), and one training step of TRL's SFT, DPO, KTO and GRPO
+trainers with it against the same step with TRL's head."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from test_integration_trl import digit_reward, tiny_model, tokenizer
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 from trl.kernels import ChunkedLogProbFunction
 
 import compiled_grpo.integrations.trl as integration
@@ -138,14 +138,20 @@ def one_step(make_trainer, ours: bool):
         for name, original in originals.items():
             setattr(integration, name, original)
     assert bool(calls) == ours  # the switch reached the trainer's head, and only inside the block
-    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
-    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}, loss
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}, logged
 
 
 def assert_same_step(make_trainer, rtol=1e-6):
-    theirs, their_loss = one_step(make_trainer, ours=False)
-    ours, our_loss = one_step(make_trainer, ours=True)
-    assert our_loss == pytest.approx(their_loss, rel=rtol, abs=1e-9)
+    """The same parameters after the step, and the same logged values (the loss, and the metrics the head's extra
+    fields feed: SFT's mean_token_accuracy, DPO's logits/*), but timings."""
+    theirs, their_log = one_step(make_trainer, ours=False)
+    ours, our_log = one_step(make_trainer, ours=True)
+    timed = ("time", "runtime", "per_second")
+    names = [k for k, v in their_log.items() if isinstance(v, (int, float)) and not any(t in k for t in timed)]
+    assert "loss" in names and set(names) <= set(our_log)
+    for name in names:
+        assert our_log[name] == pytest.approx(their_log[name], rel=rtol * 10, abs=1e-6), name
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=rtol, atol=1e-9, msg=name)
 
@@ -178,6 +184,24 @@ def test_dpo_step_equals_trls(tmp_path):
     def make():
         args = DPOConfig(output_dir=str(tmp_path), max_length=16, **COMMON)
         return DPOTrainer(model=copy.deepcopy(base), args=args, train_dataset=data, processing_class=tokenizer())
+
+    assert_same_step(make)
+
+
+def test_kto_step_equals_trls(tmp_path):
+    """KTO asks its head for mean_logits too (its logits/* metrics)."""
+    base = tiny_model(dtype=torch.float32)
+    base.save_pretrained(tmp_path / "policy")  # KTO loads its reference model from the policy's path
+    base.config._name_or_path = str(tmp_path / "policy")
+    data = Dataset.from_dict({
+        "prompt": ["a b", "c d", "1 2", "e f"] * 2,
+        "completion": [" 1 2", " 3", " a b", " 4 5"] * 2,
+        "label": [True, False, True, False] * 2,
+    })  # fmt: skip
+
+    def make():
+        args = KTOConfig(output_dir=str(tmp_path), max_length=16, **COMMON)
+        return KTOTrainer(model=copy.deepcopy(base), args=args, train_dataset=data, processing_class=tokenizer())
 
     assert_same_step(make)
 
