@@ -171,10 +171,16 @@ def test_sft_step_equals_trls(tmp_path):
     assert_same_step(make)
 
 
-def test_dpo_step_equals_trls(tmp_path):
+def saved_policy(tmp_path):
+    """A tiny model saved where its config points: DPO and KTO load their reference model from the policy's path."""
     base = tiny_model(dtype=torch.float32)
-    base.save_pretrained(tmp_path / "policy")  # DPO loads its reference model from the policy's path
+    base.save_pretrained(tmp_path / "policy")
     base.config._name_or_path = str(tmp_path / "policy")
+    return base
+
+
+def test_dpo_step_equals_trls(tmp_path):
+    base = saved_policy(tmp_path)
     data = Dataset.from_dict({
         "prompt": ["a b", "c d", "1 2", "e f"] * 2,
         "chosen": [" 1 2", " 3", " a b", " 4 5"] * 2,
@@ -190,9 +196,7 @@ def test_dpo_step_equals_trls(tmp_path):
 
 def test_kto_step_equals_trls(tmp_path):
     """KTO asks its head for mean_logits too (its logits/* metrics)."""
-    base = tiny_model(dtype=torch.float32)
-    base.save_pretrained(tmp_path / "policy")  # KTO loads its reference model from the policy's path
-    base.config._name_or_path = str(tmp_path / "policy")
+    base = saved_policy(tmp_path)
     data = Dataset.from_dict({
         "prompt": ["a b", "c d", "1 2", "e f"] * 2,
         "completion": [" 1 2", " 3", " a b", " 4 5"] * 2,
