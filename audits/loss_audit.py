@@ -36,20 +36,12 @@ class LossCell:
     mode: str  # "eager" | "compiled" | "captured" (compiled, its work as CUDA graph replays: GPU only)
     schedule: str  # "memory" | "speed" | "sparse"
     batch: str = "random"  # "random" advantages, beta, bonus | "groups": GRPO groups, half tied | "packed"
-    # round_logits: True, the lm_head product rounded to bf16 before the softmax, as TRL's head; "backward", only the
-    # product the backward recomputes (the forward's outputs the default's, gradients those of the rounded logits)
-    round_logits: object = False
-
-    @property
-    def rounded(self) -> bool:
-        """Every statistic carries bf16's rounding of the logits (round_logits=True)."""
-        return self.round_logits is True
+    rounded: bool = False  # round_logits=True: the lm_head product rounded to bf16 before the softmax, as TRL's head
 
     @property
     def name(self) -> str:
         name = f"{self.loss_type:7s} {self.level:8s} q={self.q:<3} {self.dtype:8s} {self.mode:8s} {self.schedule:6s}"
-        rounding = {False: "", True: " rounded", "backward": " rounded-backward"}[self.round_logits]
-        return name + ("" if self.batch == "random" else f" {self.batch}") + rounding
+        return name + ("" if self.batch == "random" else f" {self.batch}") + (" rounded" if self.rounded else "")
 
     def settings(self, T: int) -> dict:
         # groups: beta 0 and no bonus, where zero-advantage and masked-out tokens have no gradient at all
@@ -75,8 +67,7 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
     """Every loss type x level x q x dtype x mode x valid schedule on random batches (captured: q in 1 and 0.2);
     and on GRPO groups (half of them at advantage 0), q in (1, 0.5, 0.2), the schedules that skip work (speed,
     sparse), eager; and `round_logits=True` (bfloat16, token level, q in 1 and 0.2, eager, on-policy), beside the
-    default float32 product's cells, and `round_logits="backward"` likewise (the schedules that recompute, random
-    batches)."""
+    default float32 product's cells."""
     out = []
     for loss_type, level, q, dtype, mode in itertools.product(
         loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
@@ -89,10 +80,8 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
             out += [LossCell(loss_type, level, q, dtype, "eager", schedule, "groups") for schedule in skipping]
         if "bfloat16" in dtypes:
             for loss_type, q in itertools.product(loss_types, FEW_QUANTILES):
-                out += [LossCell(loss_type, "token", q, "bfloat16", "eager", schedule, round_logits=True)
+                out += [LossCell(loss_type, "token", q, "bfloat16", "eager", schedule, rounded=True)
                         for schedule in schedules(q)]  # fmt: skip
-                out += [LossCell(loss_type, "token", q, "bfloat16", "eager", schedule, round_logits="backward")
-                        for schedule in ("memory", "sparse")]  # fmt: skip
         # packed (padding-free) batches against the reference's packed entry, one cell per loss type and schedule
         for loss_type, schedule in itertools.product(loss_types, ("speed", "sparse")):
             level = "sequence" if loss_type == "luspo" else "token"
@@ -186,7 +175,7 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
     result = CellResult("loss", cell.name, params={**cell.__dict__})
     captured = cell.mode == "captured"
     loss_fn = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, capture=captured,
-                                  round_logits=cell.round_logits, **settings)  # fmt: skip
+                                  round_logits=cell.rounded, **settings)  # fmt: skip
     run_reference = harness.run_reference
     if cell.batch == "packed":  # the active tokens alone, one sequence per row, the empty row kept
         x, run_reference = harness.pack(x), harness.run_packed_reference
@@ -226,7 +215,7 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
             bound = min(naive + tolerances.BF16_GRADIENT_SLACK, tolerances.BF16_GRADIENT_CEILING)
         result.check(f"d {k}", err, bound)
     result.params["errors"] = {c.what: c.error for c in result.checks}
-    if cell.round_logits is not False:  # beside the default float32 product on the same batch
+    if cell.rounded:  # beside the default float32 product on the same batch
         default = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, **settings)
         d_out, d_grads = harness.run_fused(default, x)
         errors = {"logp": relative_error(d_out.per_token_logps, ref.per_token_logps),

@@ -303,13 +303,10 @@ METHODS = {
     "compiled_grpo auto, compiled, packed": ours("auto", True, packed=True),
     "compiled_grpo primitive + loss, compiled": primitive(),
     "Unsloth (unsloth_zoo 2026.10.9) head + loss": unsloth,
-    # the opt-in forms: round_logits=True ("rounded"), round_logits="backward" ("rounded backward"), capture=True
-    # ("captured")
+    # the opt-in forms: round_logits=True ("rounded"), capture=True ("captured")
     "compiled_grpo speed, compiled, rounded": ours("speed", True, round_logits=True),
     "compiled_grpo memory, compiled, rounded": ours("memory", True, round_logits=True),
     "compiled_grpo primitive + loss, compiled, rounded": primitive(round_logits=True),
-    "compiled_grpo memory, compiled, rounded backward": ours("memory", True, round_logits="backward"),
-    "compiled_grpo primitive + loss, compiled, rounded backward": primitive(round_logits="backward"),
     "compiled_grpo memory, compiled, captured": ours("memory", True, capture=True),
     "compiled_grpo primitive + loss, compiled, captured": primitive(capture=True),
     "compiled_grpo primitive + loss, compiled, captured, rounded": primitive(capture=True, round_logits=True),

@@ -1,9 +1,6 @@
 """The memory engine's passes in isolation, per way of forming the recomputed product: the statistics pass (the
 forward) and the vocabulary-outer gradient pass (the backward) of 8192 tokens against V = 151936, per hidden size.
 
-Statistics-pass variants: the log-probs, entropies and lse alone; with TRL's extra fields; with the lse and entropy
-of the product rounded to bf16 (`round_logits="backward"`), all from one read of the float32 product.
-
 Gradient-pass variants:
 - `float32 product`: cuBLAS writes x @ W.T in float32, a fused Inductor kernel reads it and writes the 16-bit
   logits gradient (4 + 4 + 2 bytes per logit, then 2 + 2 read by the dX and dW GEMMs);
@@ -147,18 +144,10 @@ def run_hidden(hidden_size: int, repeats: int, chunks: list[tuple[int, int]], su
     tiles = ((0, TOKENS),)
     out = []
     exact = Head(w, None, values, False)
-    rounding_backward = exact._replace(recompute_rounded=True)
     engine = engine_with(None)
     row = {"H": hidden_size, "pass": "statistics (float32 product, whole vocabulary rows)"}
     logp, entropy, lse = measured(row, lambda: statistics_pass(engine, x, targets, exact, tiles), repeats)
     out.append(row)
-    for name, head, extras in (("with TRL's extra fields", exact, True),
-                               ("with the rounded product's lse and entropy", rounding_backward, False)):  # fmt: skip
-        row = {"H": hidden_size, "pass": f"statistics {name} (same read)"}
-        got = measured(row, lambda h=head, e=extras: statistics_pass(engine, x, targets, h, tiles, e), repeats)
-        if got is not None:
-            row["logp_max"] = (got[0] - logp).abs().max().item()
-        out.append(row)
     for piece, chunk in chunks:
         row = {"H": hidden_size, "pass": f"statistics, [{piece}, {chunk}] blocks"}
         got = measured(row, lambda p=piece, c=chunk: chunked_statistics(engine.kernels, x, targets, exact, p, c),

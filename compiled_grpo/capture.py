@@ -140,10 +140,10 @@ class Captures:
 
 def head_key(head) -> tuple:
     """What a graph bakes in of the lm_head, read in place: the weight's and bias's addresses, shapes and dtypes,
-    the softcap and the rounding."""
+    the softcap."""
     weight, bias = head.weight, head.bias
     return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap, head.rounded,
-            head.recompute_rounded, None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
+            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
 
 
 def signature(tensors: list) -> tuple:

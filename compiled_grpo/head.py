@@ -29,10 +29,6 @@ class Head(NamedTuple):
     # the GEMM's product rounded to the inputs' dtype before the softmax (`round_logits`: TRL's head and plain torch
     # do so), read at 2 bytes per logit instead of 4; False: float32, the default
     rounded: bool = False
-    # only the product a backward recomputes rounded (`round_logits="backward"`): the forward's statistics, log-probs
-    # and entropies are the float32 product's, and it also folds the rounded product's lse and entropy, with which
-    # the backward normalizes its softmax of the rounded logits (so that it sums to 1)
-    recompute_rounded: bool = False
 
     def rows(self, start: int, size: int) -> Head:
         """The head as slots start..start + size see it (their per-row temperatures)."""
@@ -45,28 +41,15 @@ class Head(NamedTuple):
         return self._replace(weight=self.weight[start : start + size], bias=bias)
 
     def detached(self) -> Head:
-        """Without gradient (so without a backward to fold the rounded product's statistics for)."""
         bias = None if self.bias is None else self.bias.detach()
-        return self._replace(weight=self.weight.detach(), bias=bias, recompute_rounded=False)
-
-    def recomputing(self) -> Head:
-        """The head as a backward that recomputes the product sees it."""
-        return self._replace(rounded=self.rounded or self.recompute_rounded)
+        return self._replace(weight=self.weight.detach(), bias=bias)
 
 
-ROUND_LOGITS = (False, True, "backward")  # the values `round_logits` takes
-
-
-def rounding(round_logits) -> dict:
-    """`Head`'s rounding fields for a `round_logits` setting."""
-    return {"rounded": round_logits is True, "recompute_rounded": round_logits == "backward"}
-
-
-def make_head(weight, bias, cfg, dtype, round_logits=False) -> Head:
+def make_head(weight, bias, cfg, dtype, rounded: bool = False) -> Head:
     """The head of a loss config (logit_scale, temperature, final_logit_softcapping)."""
     cap = cfg.final_logit_softcapping
     values = device_constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, weight.device)
-    return Head(weight, bias, values, cap is not None, **rounding(round_logits))
+    return Head(weight, bias, values, cap is not None, rounded=rounded)
 
 
 @functools.cache

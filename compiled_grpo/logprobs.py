@@ -26,7 +26,7 @@ import torch
 from . import distributed, faults, validation
 from .capture import Captures
 from .faults import Deferred, Faults
-from .head import Head, VocabShard, device_constant, rounding
+from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
 from .schedules import memory, sparse
 from .schedules.passes import Engine, statistics_pass
@@ -70,7 +70,7 @@ def fused_linear_logprobs(
     vocab_parallel_group=None,
     vocab_start: int = 0,
     capture: bool = False,
-    round_logits: bool | str = False,
+    round_logits: bool = False,
     **tiles: int,
 ) -> LogProbs:
     """(logp, entropy) of `targets` under the lm_head, float32, shaped like `targets` (see the module's docstring).
@@ -83,9 +83,7 @@ def fused_linear_logprobs(
     tile functions eagerly. `validate=False` skips the checks that read values back to the host (ids in range,
     finite temperatures, finite statistics). `capture=True` (experimental, GPU): the statistics pass and the
     backward's gradient pass as CUDA graph replays (`capture.Captures`, one set per process). `round_logits=True`:
-    the lm_head product rounded to the inputs' 16-bit dtype before the softmax, as TRL's head does; "backward":
-    only the product the backward recomputes (the log-probs and entropies are the float32 product's, the gradient
-    that of the rounded logits normalized by their own sum). Tile sizes:
+    the lm_head product rounded to the inputs' 16-bit dtype before the softmax, as TRL's head does. Tile sizes:
     token_tile, tail_tile, vocab_tile, stats_rows, sparse_tile (`tiling.Tiles`, defaults by device). Under
     autocast the GEMMs run in the autocast dtype.
     """
@@ -146,7 +144,7 @@ def fused_linear_extra_statistics(
 def fused_linear_logprobs_with_extras(hidden, weight, targets, *, bias=None, temperature=1.0,
                                       logit_scale: float = 1.0, final_logit_softcapping: float | None = None,
                                       ignore_index: int = -100, entropy: bool = True, compiled: bool = True,
-                                      validate: bool = True, capture: bool = False, round_logits: bool | str = False,
+                                      validate: bool = True, capture: bool = False, round_logits: bool = False,
                                       **tiles: int) -> tuple[LogProbs, ExtraStatistics]:  # fmt: skip
     """`fused_linear_logprobs` (same arguments, no vocabulary-parallel head) and, from the same statistics pass, the
     fields of `fused_linear_extra_statistics` (without gradient, of the same logits: rounded with
@@ -200,13 +198,12 @@ class Options(NamedTuple):
     vocab_start: int
     tiles: dict
     capture: bool = False
-    round_logits: bool | str = False
+    round_logits: bool = False
 
 
 def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     """Checks, autocast casts, the tile plan over the positions with a target, and the head."""
     check_inputs(hidden, weight, targets, bias, o.temperature)
-    validation.round_logits_setting(o.round_logits, o.vocab_parallel_group is not None)
     hidden, weight, bias = under_autocast(hidden, weight, bias)
     flat_targets = targets.reshape(-1)
     valid = flat_targets != o.ignore_index
@@ -227,7 +224,7 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     return Call(engine, plan, head, stream, valid)
 
 
-def make_head(weight, bias, values, dtype, shape, round_logits=False):
+def make_head(weight, bias, values, dtype, shape, rounded: bool = False):
     """The lm_head as the tiles see it: (logit_scale, temperature, softcap) in one small tensor, and a per-token
     temperature as one 1 / temperature per flat position."""
     scale, temperature, cap = values
@@ -237,7 +234,7 @@ def make_head(weight, bias, values, dtype, shape, round_logits=False):
     row_inv_temp = None
     if per_token:
         row_inv_temp = (1.0 / temperature.detach().to(weight.device, dtype)).broadcast_to(shape).reshape(-1)
-    return Head(weight, bias, constants, cap is not None, row_inv_temp, **rounding(round_logits))
+    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded)
 
 
 def under_autocast(hidden, weight, bias):

@@ -53,9 +53,7 @@ class FusedLinearGRPOLoss:
     (`tiling.Tiles`) default by device; `logits_budget_bytes` bounds the workspace of the speed and sparse
     schedules, beyond which "auto" picks memory. `round_logits=True` rounds the lm_head product to the inputs'
     16-bit dtype before the softmax, as TRL's head and plain torch do (their numerics, fewer bytes per logit);
-    "backward" rounds only the product the memory and sparse schedules recompute for the gradient (log-probs,
-    entropies, the loss and the metrics stay those of the float32 product; the gradient is that of the rounded
-    logits, normalized by their own sum); the default keeps it in float32 everywhere.
+    the default keeps it in float32.
     """
 
     def __init__(
@@ -76,7 +74,7 @@ class FusedLinearGRPOLoss:
         vocab_parallel_group=None,
         sequence_parallel_group=None,
         capture: bool = False,
-        round_logits: bool | str = False,
+        round_logits: bool = False,
         **settings,
     ):
         validation.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
@@ -110,7 +108,7 @@ class FusedLinearGRPOLoss:
         # On a GPU, the schedules' tile loops as CUDA graph replays (`capture.Captures`); elsewhere, as without it
         self.captures = Captures() if capture else None
         self.deferred = Deferred()  # value checks of earlier calls not yet read (`check`)
-        self.round_logits = validation.round_logits_setting(round_logits, vocab_parallel_group is not None)
+        self.round_logits = round_logits
 
     def __call__(
         self,

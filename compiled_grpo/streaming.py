@@ -104,49 +104,33 @@ def inverse_temperature(head: Head) -> torch.Tensor:
 FOLD_CHUNK = 8192  # vocabulary entries per chunk of the fold: re-read from cache (fastest of 256..8192 on an H200)
 
 
-def _fold_rows(z: torch.Tensor, extras: bool = False, rounded: torch.Tensor | None = None):
-    """Over the last dim: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m); with `rounded` (the logits of
-    the rounded product, same shape) also its s and u, shifted by the same m; with `extras` also
+def _fold_rows(z: torch.Tensor, extras: bool = False):
+    """Over the last dim: m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m); with `extras` also
     q = sum exp(z - m)^2, the sum of z and the first index of the max."""
     m = z.amax(-1, keepdim=True)
-    folded = _exp_sums(z, m)
-    if rounded is not None:
-        folded += _exp_sums(rounded, m)
-    folded = (m.squeeze(-1),) + folded
-    if not extras:
-        return folded
-    e = torch.exp(z - m)
-    return folded + ((e * e).sum(-1), z.sum(-1), z.argmax(-1))
-
-
-def _exp_sums(z: torch.Tensor, m: torch.Tensor):
     shifted = z - m
     e = torch.exp(shifted)
-    return e.sum(-1), (e * shifted).sum(-1)
+    folded = (m.squeeze(-1), e.sum(-1), (e * shifted).sum(-1))
+    return folded + ((e * e).sum(-1), z.sum(-1), z.argmax(-1)) if extras else folded
 
 
-def _fold(z: torch.Tensor, extras: bool = False, rounded: torch.Tensor | None = None):
-    """(m, s, u) per row of z [n,V] (with `rounded`: and s, u of those logits shifted by z's m; with `extras`: and
-    q, sum z, argmax z, as `_fold_rows`), in one read of z: each row is folded in chunks of FOLD_CHUNK entries
-    (the max and the sums of a chunk come from the same cached data, where a whole row of 152k float32 would be
-    read twice from memory), and the chunks are combined rescaled to the row max. Every term of the combined u
-    is <= 0 (a rounded logit may pass m by its rounding), so the sum has no cancellation."""
+def _fold(z: torch.Tensor, extras: bool = False):
+    """(m, s, u) per row of z [n,V] (with `extras`: and q, sum z, argmax z, as `_fold_rows`), in one read of z:
+    each row is folded in chunks of FOLD_CHUNK entries (the max and the sums of a chunk come from the same cached
+    data, where a whole row of 152k float32 would be read twice from memory), and the chunks are combined
+    rescaled to the row max. Every term of the combined u is <= 0, so the sum has no cancellation."""
     n, vocab = z.shape
     whole = vocab // FOLD_CHUNK * FOLD_CHUNK
-    pieces = []  # (whole chunks, tail) views of a [n, V] tensor
+    parts = []
     if whole:
-        pieces.append(lambda t: t[:, :whole].view(n, whole // FOLD_CHUNK, FOLD_CHUNK))
+        parts.append(_fold_rows(z[:, :whole].view(n, whole // FOLD_CHUNK, FOLD_CHUNK), extras))
     if whole < vocab:
-        pieces.append(lambda t: t[:, whole:].unsqueeze(1))
-    parts = [_fold_rows(piece(z), extras, None if rounded is None else piece(rounded)) for piece in pieces]
-    m_c, *more = (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
+        parts.append(_fold_rows(z[:, whole:].unsqueeze(1), extras))
+    m_c, s_c, u_c, *more = (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
     m = m_c.amax(-1, keepdim=True)
     gap = m_c - m
     rescale = torch.exp(gap)
-    folded = (m.squeeze(-1),)
-    for _ in range(2 if rounded is not None else 1):
-        s_c, u_c, *more = more
-        folded += ((s_c * rescale).sum(-1), (rescale * (u_c + s_c * gap)).sum(-1))
+    folded = (m.squeeze(-1), (s_c * rescale).sum(-1), (rescale * (u_c + s_c * gap)).sum(-1))
     if not extras:
         return folded
     q_c, sum_c, argmax_c = more
@@ -168,20 +152,6 @@ def _statistics_of_fold(z, targets, m, s, u):
     # device-side assert that would end the process (fused into the gather: no extra pass).
     logp = z.gather(-1, targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) - lse
     return logp, entropy, lse
-
-
-ROUNDING_BITS = {torch.bfloat16: 16, torch.float16: 13}  # float32 mantissa bits a 16-bit type drops
-
-
-def rounded_product(product: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float32 product rounded to `dtype`'s precision (ties to even) and kept in float32, by integer arithmetic
-    on its bits: Inductor computes a fused kernel's 16-bit intermediates in float32, so a cast there and back would
-    not round. Equal to the GEMM's own 16-bit output of the same float32 sum for logits in float16's normal range
-    (larger ones overflow there; smaller ones differ by under 6e-8)."""
-    drop = ROUNDING_BITS[dtype]
-    bits = product.view(torch.int32)
-    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
-    return bits.view(torch.float32)
 
 
 def partial_statistics_tile(x, local_targets, head: Head):
@@ -220,35 +190,8 @@ def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:
 
 
 def statistics_tile(x, targets, head: Head):
-    """Stats pass of one token tile against the whole vocabulary: (logp, entropy, lse), followed where the backward
-    recomputes the product rounded (`recomputes_rounded`) by the rounded product's (lse, entropy)."""
-    z, rounded = logits_and_rounded(x, head)
-    m, s, u, *rounded_sums = _fold(z, rounded=rounded)
-    return _statistics_of_fold(z, targets, m, s, u) + _rounded_statistics(m, *rounded_sums)
-
-
-def recomputes_rounded(x, head: Head) -> bool:
-    """Whether a backward recomputes this head's product rounded to x's 16-bit dtype (`Head.recompute_rounded`)."""
-    return head.recompute_rounded and not head.rounded and x.dtype in ROUNDING_BITS
-
-
-def logits_and_rounded(x, head: Head):
-    """The tile's logits and, where the backward recomputes the product rounded, the logits of the product rounded
-    as that GEMM's 16-bit output rounds it (else None), both from one float32 product: its statistics pass folds
-    the rounded product's lse and entropy from the same read, which the backward's softmax is normalized with."""
-    product = gemm_product(x, head)
-    z = logits_from_product(product, head)
-    if not recomputes_rounded(x, head):
-        return z, None
-    return z, logits_from_product(rounded_product(product, x.dtype), head)
-
-
-def _rounded_statistics(m, s_r=None, u_r=None) -> tuple:
-    """(lse, entropy) of the rounded logits from their sums shifted by the float32 logits' max m; () without."""
-    if s_r is None:
-        return ()
-    log_s = torch.log(s_r)
-    return m + log_s, log_s - u_r / s_r
+    """Stats pass of one token tile against the whole vocabulary: (logp, entropy, lse)."""
+    return fold_statistics(tile_logits(x, head), targets)
 
 
 def statistics_and_product_tile(x, targets, head: Head):
@@ -280,11 +223,9 @@ def gradient_vocab_tile(x, rows: RowGradients, head: Head, v0):
 def statistics_with_extras_tile(x, targets, head: Head):
     """`statistics_tile`'s (logp, entropy, lse) and, from the same read of the logits, TRL's other per-token
     fields: log sum_v p_v^2, the mean logit and whether the target is the first maximal logit (argmax takes the
-    lowest id among ties), followed where the backward recomputes the product rounded by the rounded product's
-    (lse, entropy), as `statistics_tile`."""
-    z, rounded = logits_and_rounded(x, head)
-    m, s, u, *rounded_sums, q, z_sum, argmax = _fold(z, extras=True, rounded=rounded)
+    lowest id among ties)."""
+    z = tile_logits(x, head)
+    m, s, u, q, z_sum, argmax = _fold(z, extras=True)
     statistics = _statistics_of_fold(z, targets, m, s, u)
     log_sum_sq = torch.log(q) - 2 * torch.log(s)
-    extras = (log_sum_sq, z_sum / z.shape[-1], argmax == targets.clamp(0, z.shape[-1] - 1))
-    return statistics + extras + _rounded_statistics(m, *rounded_sums)
+    return statistics + (log_sum_sq, z_sum / z.shape[-1], argmax == targets.clamp(0, z.shape[-1] - 1))

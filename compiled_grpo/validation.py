@@ -13,7 +13,6 @@ import weakref
 import torch
 
 from .faults import Faults
-from .head import ROUND_LOGITS
 from .inputs import PER_TOKEN
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -232,15 +231,3 @@ def unknown_names(given, valid, where: str) -> None:
         close = difflib.get_close_matches(name, valid, n=1)
         hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise TypeError(f"{where} got unknown keyword(s): {', '.join(hints)}")
-
-
-def round_logits_setting(value, vocab_parallel: bool = False):
-    """`round_logits` as given, or a ValueError naming the values it takes."""
-    if not any(value is v for v in ROUND_LOGITS[:2]) and not (isinstance(value, str) and value in ROUND_LOGITS):
-        raise ValueError(f"round_logits must be False, True or 'backward', got {value!r}")
-    if value == "backward" and vocab_parallel:
-        raise ValueError(
-            "round_logits='backward' is not available with a vocab_parallel_group (the shards' statistics are "
-            "combined for the float32 product only); use False or True"
-        )
-    return value

@@ -26,7 +26,7 @@ import trl
 import trl.trainer.utils as trl_utils
 from trl import GRPOTrainer
 
-from .. import logprobs, validation
+from .. import logprobs
 from ..logprobs import fused_linear_logprobs, fused_linear_logprobs_with_extras
 from ..loss import FusedLinearGRPOLoss
 from ..schedules import sparse
@@ -288,22 +288,22 @@ class CapturedFusedHeadFunction(FusedHeadFunction):
 
 
 @contextlib.contextmanager
-def compiled_fused_head(compiled: bool = True, capture: bool = False, round_logits: bool | str = False):
+def compiled_fused_head(compiled: bool = True, capture: bool = False, round_logits: bool = False):
     """Inside the block, TRL's fused LM head (`add_fused_lm_head`, which every TRL 1.16 trainer uses for its
     per-token log-probs: GRPO, RLOO, DPO, KTO, SFT, async GRPO) runs on `fused_linear_logprobs`. Models patched
     before or inside the block alike: the patched forward looks the function up on each call. `capture`
     (experimental, compiled, GPU): the primitive's passes as CUDA graph replays. `round_logits=True`: the log-probs
     and entropies of the lm_head product rounded to 16 bits, as TRL's own head computes them (fewer bytes per
-    logit; the logged extras stay float32); "backward": only the product the backward recomputes (the log-probs and
-    entropies of the float32 product, the gradient of the rounded logits, as TRL's)."""
+    logit; the logged extras stay float32)."""
     if capture and not compiled:
         raise ValueError("compiled_fused_head: capture=True needs compiled=True")
-    validation.round_logits_setting(round_logits)
+    if not isinstance(round_logits, bool):
+        raise ValueError(f"compiled_fused_head: round_logits must be True or False, got {round_logits!r}")
     previous = trl_utils._ChunkedLogProbFunction
     chosen = CapturedFusedHeadFunction if capture else FusedHeadFunction
     chosen = chosen if compiled else EagerFusedHeadFunction
-    if round_logits is not False:
-        chosen = type(f"Rounded{chosen.__name__}", (chosen,), {"round_logits": round_logits})
+    if round_logits:
+        chosen = type(f"Rounded{chosen.__name__}", (chosen,), {"round_logits": True})
     trl_utils._ChunkedLogProbFunction = chosen
     try:
         yield

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import quantile, streaming, tiling
+from .. import quantile, tiling
 from ..batch_objective import Objective
 from ..head import Head
 from ..sequence_parallel import GatheredPositions
@@ -55,10 +55,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
         head = setup.head(weight, bias)
         passed = passes.captured_statistics_pass(setup.engine, x, setup.targets, head, setup.tiles, setup.extras)
         logp, entropy, lse, *extras = passed
-        backward_lse, backward_entropy = lse, entropy
-        if streaming.recomputes_rounded(x, head):  # the backward's softmax is of the rounded logits: their statistics
-            *extras, backward_lse, backward_entropy = extras
-        ctx.save_for_backward(x, weight, bias, backward_lse, backward_entropy)
+        ctx.save_for_backward(x, weight, bias, lse, entropy)
         ctx.setup = setup
         ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: no work for it
         ctx.mark_non_differentiable(*extras)
@@ -68,7 +65,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy, *_extras):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
-        head = s.head(weight, bias).recomputing()
+        head = s.head(weight, bias)
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         rows = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
@@ -79,16 +76,9 @@ class StatisticsThenRecompute(torch.autograd.Function):
 def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head, extras: bool = False):
     """(logp, entropy) per slot (with `extras`, and the three extra fields) through `function`, an autograd
     Function of this module's form."""
-    if not _needs_gradient(slots.x, head):  # no backward: no statistics to fold for its rounded recompute
-        head = head._replace(recompute_rounded=False)
     template = head._replace(weight=None, bias=None)
     setup = Recompute(engine, slots.targets, slots.plan.tiles, template, extras, slots.plan.active.numel())
     return function.apply(slots.x, head.weight, head.bias, setup)
-
-
-def _needs_gradient(x, head: Head) -> bool:
-    tensors = (x, head.weight, head.bias)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def stream_statistics(function, engine: Engine, targets, plan: TilePlan, head: Head, extras: bool = False):

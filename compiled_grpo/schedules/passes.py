@@ -76,20 +76,15 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool 
     """(logp, entropy, lse) for the slots of `tiles`, `stats_rows` tokens at a time against the whole vocabulary (a tile
     of more rows is split, keeping the [rows, V] float32 logits the only large temporary). With a vocabulary-
     parallel shard, `head` is this rank's slice and the slices' statistics are combined across its group.
-    `extras` (whole vocabulary only): also (log_sum_sq_probs, mean_logits, is_top1), from the same read; where the
-    backward recomputes the product rounded (`streaming.recomputes_rounded`), followed by the rounded product's
-    (lse, entropy)."""
-    rounded = streaming.recomputes_rounded(x, head)
-    if (extras or rounded) and engine.shard.parallel:
-        raise ValueError("the extra statistics and those of a rounded recompute need the whole vocabulary on one "
-                         "rank (no vocabulary-parallel head)")  # fmt: skip
+    `extras` (whole vocabulary only): also (log_sum_sq_probs, mean_logits, is_top1), from the same read."""
+    if extras and engine.shard.parallel:
+        raise ValueError("the extra statistics need the whole vocabulary on one rank (no vocabulary-parallel head)")
     fold = engine.kernels.statistics_with_extras if extras else engine.kernels.statistics
     fold = engine.kernels.partial_statistics if engine.shard.parallel else fold
     outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in statistics_pieces(engine, tiles)]
     if not outs:
         empty = x.new_zeros(0, dtype=streaming.stat_dtype(x))
-        more = (empty, empty, x.new_zeros(0, dtype=torch.bool)) if extras else ()
-        return (empty,) * 3 + more + ((empty, empty) if rounded else ())
+        return (empty,) * 5 + (x.new_zeros(0, dtype=torch.bool),) if extras else (empty, empty, empty)
     outs = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
     return distributed.combine_vocab_shards(*outs, engine.shard.group) if engine.shard.parallel else outs
 
@@ -255,16 +250,16 @@ class TokenOuterGradients:
         return self.sum.to(self.head.weight.dtype) if self.added else torch.zeros_like(self.head.weight)
 
 
-def with_reference_logps(engine: Engine, inputs, cfg, round_logits=False):
+def with_reference_logps(engine: Engine, inputs, cfg, rounded: bool = False):
     """The inputs with ref_per_token_logps streamed from the reference head (ref_hidden, ref_weight, ref_bias,
-    each defaulting to the policy's), without gradient, at the loss's `round_logits`."""
+    each defaulting to the policy's), without gradient; `rounded`: `Head.rounded`."""
     hidden = inputs.hidden if inputs.ref_hidden is None else inputs.ref_hidden
     weight, bias = (inputs.weight, inputs.bias) if inputs.ref_weight is None else (inputs.ref_weight, inputs.ref_bias)
     mask = inputs.completion_mask
     plan = tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)
     with torch.no_grad():
         slots = gather_slots(hidden.detach(), inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
-        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), round_logits)
+        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), rounded)
         logp, _, _ = statistics_pass(engine, slots.x, slots.targets, head.detached(), plan.tiles)
         ref = tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
     return dataclasses.replace(inputs, ref_per_token_logps=ref)

@@ -74,7 +74,7 @@ class StatisticsThenSparseGradients(StatisticsThenRecompute):
     def backward(ctx, g_logp, g_entropy, *_extras):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
-        head = s.head(weight, bias).recomputing()
+        head = s.head(weight, bias)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         selected, entropy_has_gradient = rows_with_gradient(g_logp, g_entropy)
