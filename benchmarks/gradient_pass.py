@@ -1,6 +1,8 @@
 """The memory engine's passes in isolation, per way of forming the recomputed product: the statistics pass (the
 forward) and the vocabulary-outer gradient pass (the backward) of 8192 tokens against V = 151936, per hidden size.
 
+Statistics pass: the log-probs, entropies and lse alone, and with TRL's extra fields (`statistics_with_extras_tile`).
+
 Gradient-pass variants:
 - `float32 product`: cuBLAS writes x @ W.T in float32, a fused Inductor kernel reads it and writes the 16-bit
   logits gradient (4 + 4 + 2 bytes per logit, then 2 + 2 read by the dX and dW GEMMs);
@@ -147,6 +149,9 @@ def run_hidden(hidden_size: int, repeats: int, chunks: list[tuple[int, int]], su
     engine = engine_with(None)
     row = {"H": hidden_size, "pass": "statistics (float32 product, whole vocabulary rows)"}
     logp, entropy, lse = measured(row, lambda: statistics_pass(engine, x, targets, exact, tiles), repeats)
+    out.append(row)
+    row = {"H": hidden_size, "pass": "statistics with TRL's extra fields (same read)"}
+    measured(row, lambda: statistics_pass(engine, x, targets, exact, tiles, extras=True), repeats)
     out.append(row)
     for piece, chunk in chunks:
         row = {"H": hidden_size, "pass": f"statistics, [{piece}, {chunk}] blocks"}

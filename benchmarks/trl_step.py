@@ -52,7 +52,7 @@ TRAINERS = {  # name: (trainer, its options)
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
     "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
-    # auto with captured calls (the speed schedule's calls are captured; where auto picks another, nothing is)
+    # auto with captured calls (each schedule's passes as CUDA graph replays)
     "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
     "captured-unvalidated": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "validate": False}}),
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
@@ -60,6 +60,7 @@ TRAINERS = {  # name: (trainer, its options)
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
     "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
+    "rounded-captured": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True, "capture": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,memory,roomy"
 LABELS = {
@@ -73,6 +74,7 @@ LABELS = {
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
+    "rounded-captured": "CompiledGRPOTrainer auto, round_logits=True, captured calls",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 

@@ -111,7 +111,13 @@ def _fold_rows(z: torch.Tensor, extras: bool = False):
     shifted = z - m
     e = torch.exp(shifted)
     folded = (m.squeeze(-1), e.sum(-1), (e * shifted).sum(-1))
-    return folded + ((e * e).sum(-1), z.sum(-1), z.argmax(-1)) if extras else folded
+    if not extras:
+        return folded
+    # the first index of the max as the least index where z is the max: a plain min in the loop that sums, where
+    # argmax would be a reduction of (value, index) pairs of its own
+    index = torch.arange(z.shape[-1], device=z.device)
+    first = torch.where(shifted == 0, index, z.shape[-1]).amin(-1)
+    return folded + ((e * e).sum(-1), z.sum(-1), first)
 
 
 def _fold(z: torch.Tensor, extras: bool = False):
