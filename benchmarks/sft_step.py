@@ -34,30 +34,8 @@ METHODS = {  # name: the context the step runs in
     "captured": lambda: compiled_fused_head(capture=True),
     "rounded": lambda: compiled_fused_head(round_logits=True),  # TRL's own numerics: the product rounded to bf16
     # a diagnostic: TRL's head after a host wait for the device (what one wait where the head starts costs the step)
-    "trl-wait": lambda: trl_head_after_a_wait(),
+    "trl-wait": lambda: trl_step.trl_head_after_a_wait(),
 }
-
-
-@contextlib.contextmanager
-def trl_head_after_a_wait():
-    """TRL's own fused head, its forward starting with a wait of the host for every kernel queued before it (as
-    the primitive's plan waits to count the positions with a target)."""
-    import trl.trainer.utils as trl_utils
-
-    previous = trl_utils._ChunkedLogProbFunction
-
-    class Waiting(previous):
-        @classmethod
-        def apply(cls, *args, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            return previous.apply(*args, **kwargs)
-
-    trl_utils._ChunkedLogProbFunction = Waiting
-    try:
-        yield
-    finally:
-        trl_utils._ChunkedLogProbFunction = previous
 
 
 def make_trainer(model, size: int, on_gpu: bool) -> SFTTrainer:

@@ -20,6 +20,7 @@ small model on the CPU (a smoke test of this script).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -45,9 +46,43 @@ QWEN = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True),
 }  # fmt: skip
+
+
+@contextlib.contextmanager
+def trl_head_after_a_wait():
+    """TRL's own fused head, its forward starting with a wait of the host for every kernel queued before it (as
+    the primitive's plan waits to count the positions with a target)."""
+    import trl.trainer.utils as trl_utils
+
+    previous = trl_utils._ChunkedLogProbFunction
+
+    class Waiting(previous):
+        @classmethod
+        def apply(cls, *args, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return previous.apply(*args, **kwargs)
+
+    trl_utils._ChunkedLogProbFunction = Waiting
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = previous
+
+
+class WaitingGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose fused head starts with a host wait for the GPU (a diagnostic: what one such wait, which
+    CompiledGRPOTrainer's plan makes, costs the step)."""
+
+    def _compute_loss(self, model, inputs):
+        with trl_head_after_a_wait():
+            return super()._compute_loss(model, inputs)
+
+
 BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True)}
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
+    "grpo-wait": (WaitingGRPOTrainer, None),
     "auto": (CompiledGRPOTrainer, {}),
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
@@ -65,6 +100,7 @@ TRAINERS = {  # name: (trainer, its options)
 DEFAULT_TRAINERS = "grpo,auto,memory,roomy"
 LABELS = {
     "grpo": "GRPOTrainer",
+    "grpo-wait": "GRPOTrainer, one host wait where its head starts",
     "auto": "CompiledGRPOTrainer auto",
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
