@@ -294,7 +294,7 @@ def compiled_fused_head(compiled: bool = True, capture: bool = False, round_logi
     before or inside the block alike: the patched forward looks the function up on each call. `capture`
     (experimental, compiled, GPU): the primitive's passes as CUDA graph replays. `round_logits=True`: the log-probs
     and entropies of the lm_head product rounded to 16 bits, as TRL's own head computes them (fewer bytes per
-    logit; the logged extras stay float32)."""
+    logit; the extra fields TRL logs come from the same rounded logits, as float32 values)."""
     if capture and not compiled:
         raise ValueError("compiled_fused_head: capture=True needs compiled=True")
     if not isinstance(round_logits, bool):
