@@ -1,6 +1,7 @@
 """The GPU benchmarks' parts that run without a GPU: the profilers wrap the library's phases by name
 (`benchmarks.profile_gpu.PHASES`, `benchmarks.profile_step.PHASES`), so a renamed function must fail here, on the
-CPU, not on the GPU machine; the SFT step's report joins its runs' JSON into a table and a picture."""
+CPU, not on the GPU machine; the SFT step's report joins its runs' JSON into a table and a picture; every step
+method has a label, and the diagnostic head after a host wait is TRL's."""
 
 from __future__ import annotations
 
@@ -32,3 +33,31 @@ def test_sft_step_report(tmp_path):
     assert "| 0.5B SFT x8 | 100.0 ms, 1.00 GiB | 102.0 ms, 1.00 GiB (+2.0%) |" in table
     assert "(-5.0%)" in table
     assert (tmp_path / "out" / "sft-step.png").stat().st_size > 0
+
+
+def test_every_step_method_has_a_label():
+    from benchmarks import sft_step, trl_step
+
+    assert set(trl_step.LABELS) == set(trl_step.TRAINERS)
+    assert set(sft_step.LABELS) == set(sft_step.METHODS)
+
+
+def test_the_waiting_head_is_trls_and_is_put_back():
+    """The diagnostic head (TRL's, after a host wait) computes what TRL's head computes, and TRL's own is back in
+    place after the block."""
+    import torch
+    import trl.trainer.utils as trl_utils
+
+    from benchmarks import trl_step
+
+    original = trl_utils._ChunkedLogProbFunction
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g)
+    targets = torch.randint(0, 50, (10,), generator=g)
+    args = (hidden, weight, None, targets, 1.0, 32, None, 1.0, ("entropy",))
+    with trl_step.trl_head_after_a_wait():
+        waiting = trl_utils._ChunkedLogProbFunction
+        got = waiting.apply(*args)[:2]
+    assert waiting is not original and trl_utils._ChunkedLogProbFunction is original
+    for a, b in zip(got, original.apply(*args)[:2], strict=True):
+        assert torch.equal(a, b)
