@@ -34,7 +34,7 @@ METHODS = {  # name: the context the step runs in
     "captured": lambda: compiled_fused_head(capture=True),
     "rounded": lambda: compiled_fused_head(round_logits=True),  # TRL's own numerics: the product rounded to bf16
     # a diagnostic: TRL's head after a host wait for the device (what one wait where the head starts costs the step)
-    "trl-wait": lambda: trl_step.trl_head_after_a_wait(),
+    "trl-wait": trl_step.trl_head_after_a_wait,
 }
 
 
