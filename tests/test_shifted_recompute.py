@@ -72,8 +72,11 @@ def test_the_shift_columns_carry_the_shift_to_float32_precision(compiled):
     assert widened[:, 41].abs().max() > 0
 
 
-@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "logit_scale": 1.3}, {"per_token_temperature": True},
-                                     {"logit_scale": -0.5}], ids=["plain", "scale-temperature", "per-token", "negative"])  # fmt: skip
+SETTINGS = {"plain": {}, "scale-temperature": {"temperature": 0.7, "logit_scale": 1.3},
+            "per-token": {"per_token_temperature": True}, "negative": {"logit_scale": -0.5}}  # fmt: skip
+
+
+@pytest.mark.parametrize("options", list(SETTINGS.values()), ids=list(SETTINGS))
 def test_shifted_gradients_are_as_close_to_float64_as_the_float32_recompute(options, monkeypatch):
     hidden, weight, bias, targets, upstream, g = make(1)
     if options.pop("per_token_temperature", False):
