@@ -79,6 +79,7 @@ SETTINGS = {"plain": {}, "scale-temperature": {"temperature": 0.7, "logit_scale"
 @pytest.mark.parametrize("options", list(SETTINGS.values()), ids=list(SETTINGS))
 def test_shifted_gradients_are_as_close_to_float64_as_the_float32_recompute(options, monkeypatch):
     hidden, weight, bias, targets, upstream, g = make(1)
+    options = dict(options)
     if options.pop("per_token_temperature", False):
         options["temperature"] = torch.rand(targets.shape, generator=g, dtype=torch.float64) + 0.5
     args = (hidden, weight, bias, targets, upstream)
