@@ -165,7 +165,7 @@ def run_hidden(hidden_size: int, repeats: int, chunks: list[tuple[int, int]], su
             row["entropy_max"] = (got[1] - entropy).abs().max().item()
         out.append(row)
     g = torch.Generator(device="cuda").manual_seed(1)
-    rows = RowGradients(targets, lse, entropy, torch.randn(TOKENS, device="cuda", generator=g),
+    rows = RowGradients(streaming.compared_ids(targets), lse, entropy, torch.randn(TOKENS, device="cuda", generator=g),
                         0.1 * torch.randn(TOKENS, device="cuda", generator=g))  # fmt: skip
     reference = None
     for name, (fields, options) in VARIANTS.items():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import quantile, tiling
+from .. import quantile, streaming, tiling
 from ..batch_objective import Objective
 from ..head import Head
 from ..sequence_parallel import GatheredPositions
@@ -67,7 +67,7 @@ class StatisticsThenRecompute(torch.autograd.Function):
         s = ctx.setup
         head = s.head(weight, bias)
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
-        rows = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
+        rows = RowGradients(streaming.compared_ids(s.targets), lse, entropy, g_logp, g_entropy)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         dx, dw, db = passes.captured_vocab_outer_gradients(s.engine, x, rows, head, s.tiles, wanted)
         return dx, dw, db, None

@@ -157,7 +157,8 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
     vocab_tile = engine.tiles.vocab_tile
     dw = torch.empty_like(weight) if wanted.weight else None
     db = torch.empty_like(bias) if wanted.bias else None
-    offsets = torch.arange(0, weight.shape[0], vocab_tile, device=x.device)  # made on the device: no wait
+    # made on the device (no wait), in the dtype of the row targets they offset
+    offsets = torch.arange(0, weight.shape[0], vocab_tile, device=x.device, dtype=rows.targets.dtype)
     direct = len(tiles) == 1  # one token tile: a dW slice is one GEMM, written in weight's dtype directly
     shifted = shifted_tiles(engine, x, rows, head, tiles)
     for j, v0 in enumerate(range(0, weight.shape[0], vocab_tile)):

@@ -79,7 +79,7 @@ class StatisticsThenSparseGradients(StatisticsThenRecompute):
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         selected, entropy_has_gradient = rows_with_gradient(g_logp, g_entropy)
         g_entropy = g_entropy if entropy_has_gradient else None  # all zero: no entropy term in the tiles
-        per_slot = RowGradients(s.targets, lse, entropy, g_logp, g_entropy)
+        per_slot = RowGradients(streaming.compared_ids(s.targets), lse, entropy, g_logp, g_entropy)
         if selected.numel() == s.active_rows and not token_outer(s.engine, x, selected.numel()):
             # every token has a gradient: the memory schedule's pass over the forward's slots (no compaction)
             return *passes.captured_vocab_outer_gradients(s.engine, x, per_slot, head, s.tiles, wanted), None

@@ -203,14 +203,14 @@ def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedP
     x, targets, tiles = slots.x, slots.targets, plan.gradient.tiles
     dest = flat.destinations(plan.gradient)
     grads = TokenOuterGradients(x, detached, tiles, plan.group, plan.buffered, call.wanted)
-    norms = None
+    norms, compared = None, streaming.compared_ids(targets)
     for s, n in tiles:
         logp, entropy, lse, product = tile_statistics(engine, x[s : s + n], targets[s : s + n], detached.rows(s, n))
         flat.write(dest[s : s + n], logp, entropy)
         # made after the first GEMM is queued, so the GPU does not wait while the host launches their kernels
         norms = objective.normalizers() if norms is None else norms
         g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, (s, n), call.compile_objective)
-        grads.add(engine.kernels, s, product, RowGradients(targets[s : s + n], lse, entropy, g_logp, g_entropy))
+        grads.add(engine.kernels, s, product, RowGradients(compared[s : s + n], lse, entropy, g_logp, g_entropy))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result()
     distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
