@@ -31,7 +31,6 @@ from benchmarks import plots, unsloth_head
 from benchmarks.rows import gradient_rows
 from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, logprobs
 from compiled_grpo.capture import Captures
-from compiled_grpo.schedules import passes
 from compiled_grpo.tiling import DEFAULT_WORKSPACE_BYTES
 
 
@@ -288,27 +287,6 @@ def ours(schedule, compiled, packed=False, **options):
     return make
 
 
-def float32_recompute(make):
-    """A method of this library with its bf16 backward recomputing the float32 product
-    (`passes.SHIFTED_RECOMPUTE` off), the form before the shifted bf16 GEMM, timed beside it."""
-
-    def wrapped(shape, x):
-        run = make(shape, x)
-        if isinstance(run, str):
-            return run
-
-        def unshifted():
-            passes.SHIFTED_RECOMPUTE = False
-            try:
-                run()
-            finally:
-                passes.SHIFTED_RECOMPUTE = True
-
-        return unshifted
-
-    return wrapped
-
-
 METHODS = {
     "floor: three lm_head GEMMs": floor,
     "full logits + autograd": full_logits,
@@ -332,8 +310,6 @@ METHODS = {
     "compiled_grpo memory, compiled, captured": ours("memory", True, capture=True),
     "compiled_grpo primitive + loss, compiled, captured": primitive(capture=True),
     "compiled_grpo primitive + loss, compiled, captured, rounded": primitive(capture=True, round_logits=True),
-    "compiled_grpo memory, compiled, float32 recompute": float32_recompute(ours("memory", True)),
-    "compiled_grpo primitive + loss, compiled, float32 recompute": float32_recompute(primitive()),
 }
 
 

@@ -35,7 +35,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, settle
-from compiled_grpo.schedules import passes
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -80,29 +79,11 @@ class WaitingGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
 
 
-@contextlib.contextmanager
-def float32_recompute():
-    """The library's bf16 backward recomputing the float32 product (`passes.SHIFTED_RECOMPUTE` off), the form
-    before its shifted bf16 GEMM."""
-    passes.SHIFTED_RECOMPUTE = False
-    try:
-        yield
-    finally:
-        passes.SHIFTED_RECOMPUTE = True
-
-
-class Float32RecomputeTrainer(CompiledGRPOTrainer):
-    """CompiledGRPOTrainer whose steps run under `float32_recompute` (`trainer_step` enters `step_context`)."""
-
-    step_context = staticmethod(float32_recompute)
-
-
 BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True)}
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
     "grpo-wait": (WaitingGRPOTrainer, None),
     "auto": (CompiledGRPOTrainer, {}),
-    "auto-fp32": (Float32RecomputeTrainer, {}),
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
     "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
@@ -121,7 +102,6 @@ LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
     "auto": "CompiledGRPOTrainer auto",
-    "auto-fp32": "CompiledGRPOTrainer auto, float32 recompute in the backward",
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
     "memory16k": "CompiledGRPOTrainer memory, 16384-entry vocabulary tiles",
@@ -244,13 +224,10 @@ def trainer_step(t, inputs):
     """`_compute_loss` + backward; then CompiledGRPOTrainer's metrics are read back as a log after every step
     would (GRPOTrainer reads its own back inside `_compute_loss`)."""
 
-    context = getattr(t, "step_context", contextlib.nullcontext)
-
     def step():
-        with context():
-            with t.accelerator.autocast():
-                loss = t._compute_loss(t.model, inputs)
-            loss.backward()
+        with t.accelerator.autocast():
+            loss = t._compute_loss(t.model, inputs)
+        loss.backward()
         settle(t._metrics["train"])
 
     return step

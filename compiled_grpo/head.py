@@ -29,10 +29,6 @@ class Head(NamedTuple):
     # the GEMM's product rounded to the inputs' dtype before the softmax (`round_logits`: TRL's head and plain torch
     # do so), read at 2 bytes per logit instead of 4; False: float32, the default
     rounded: bool = False
-    # the logits are the product's affine image with a non-zero scale (no softcap, not rounded): a 16-bit
-    # recomputing backward may then take log p straight from one GEMM shifted by each row's lse
-    # (`streaming.shifted_rows`), which the float32 product cannot give at 2 bytes per logit
-    shiftable: bool = False
 
     def rows(self, start: int, size: int) -> Head:
         """The head as slots start..start + size see it (their per-row temperatures)."""
@@ -53,13 +49,7 @@ def make_head(weight, bias, cfg, dtype, rounded: bool = False) -> Head:
     """The head of a loss config (logit_scale, temperature, final_logit_softcapping)."""
     cap = cfg.final_logit_softcapping
     values = device_constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, weight.device)
-    shifts = shiftable(cfg.logit_scale, cap, rounded)
-    return Head(weight, bias, values, cap is not None, rounded=rounded, shiftable=shifts)
-
-
-def shiftable(logit_scale: float, cap, rounded: bool) -> bool:
-    """`Head.shiftable` of a head with these settings."""
-    return cap is None and float(logit_scale) != 0.0 and not rounded
+    return Head(weight, bias, values, cap is not None, rounded=rounded)
 
 
 @functools.cache

@@ -81,5 +81,3 @@ class Kernels:
         self.partial_statistics_and_product = wrap(streaming.partial_statistics_and_product_tile)
         self.gradient_from_product = wrap(streaming.gradient_from_product_tile)
         self.gradient_vocab = wrap(streaming.gradient_vocab_tile)
-        self.shifted_rows = wrap(streaming.shifted_rows_tile)
-        self.gradient_vocab_shifted = wrap(streaming.gradient_vocab_shifted_tile)

@@ -26,7 +26,7 @@ import torch
 from . import distributed, faults, validation
 from .capture import Captures
 from .faults import Deferred, Faults
-from .head import Head, VocabShard, device_constant, shiftable
+from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
 from .schedules import memory, sparse
 from .schedules.passes import Engine, statistics_pass
@@ -234,7 +234,7 @@ def make_head(weight, bias, values, dtype, shape, rounded: bool = False):
     row_inv_temp = None
     if per_token:
         row_inv_temp = (1.0 / temperature.detach().to(weight.device, dtype)).broadcast_to(shape).reshape(-1)
-    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded, shiftable(scale, cap, rounded))
+    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded)
 
 
 def under_autocast(hidden, weight, bias):

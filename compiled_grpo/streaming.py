@@ -13,8 +13,6 @@ Statistics, with m = max z: S = sum exp(z - m), U = sum exp(z - m) (z - m),
   logp = z[y] - lse.
 Gradient: p = exp(z - lse),  dz = g_logp (onehot(y) - p) - g_H p (z - lse + H),
 then through the softcap and scale: d raw = dz * scale * inv_temp * (1 - (z / (cap * inv_temp))**2).
-With bf16 inputs and no softcap, the recomputing backward takes log p = z - lse from one bf16 GEMM of rows widened
-by -lse / (scale * inv_temp) (`shifted_rows_tile`): its output rounds log p (16-bit relative to |log p|), not z.
 The tiles hand back d raw in the GEMM dtype; the schedules (schedules/) turn it into dX, dW, accumulating sums
 over tiles in float32.
 """
@@ -42,9 +40,8 @@ class RowGradients(NamedTuple):
 
 def compared_ids(targets: torch.Tensor) -> torch.Tensor:
     """Targets as the gradient tiles compare them with each logit's vocabulary id (`RowGradients.targets`): int32.
-    Each logit loads its row's target: with int64 ids the gradient kernel of an [8192, 8192] tile took 111 us
-    (float32 product) and 146 us (shifted GEMM) on an H200, with int32 97 and 78 us. A vocabulary has far fewer than
-    2**31 ids."""
+    Each logit loads its row's target: with int64 ids the gradient kernel of an [8192, 8192] tile took 111 us on an
+    H200, with int32 97 us. A vocabulary has far fewer than 2**31 ids."""
     return targets.to(torch.int32)
 
 
@@ -190,19 +187,13 @@ def partial_statistics_and_product_tile(x, local_targets, head: Head):
     return _partial_fold(logits_from_product(product, head), local_targets) + (product,)
 
 
-def log_probs_gradient(log_p, onehot, rows: RowGradients) -> torch.Tensor:
-    """d loss / d z for a tile of log-probabilities log p = z - lse, given the loss's gradients w.r.t. logp and
-    entropy."""
+def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:
+    """d loss / d (x @ W.T + b) for a logits tile, given the loss's gradients w.r.t. logp and entropy."""
+    log_p = z - rows.lse.unsqueeze(-1)
     p = torch.exp(log_p)
     dz = rows.g_logp.unsqueeze(-1) * (onehot.to(p.dtype) - p)
     if rows.g_entropy is not None:  # None: the entropy has no gradient, and its term is not formed
         dz = dz - rows.g_entropy.unsqueeze(-1) * p * (log_p + rows.entropy.unsqueeze(-1))
-    return dz
-
-
-def logits_gradient(z, onehot, rows: RowGradients, head: Head) -> torch.Tensor:
-    """d loss / d (x @ W.T + b) for a logits tile, given the loss's gradients w.r.t. logp and entropy."""
-    dz = log_probs_gradient(z - rows.lse.unsqueeze(-1), onehot, rows)
     inv_temp = inverse_temperature(head)
     scale = head.values[SCALE] * inv_temp
     if head.softcap:
@@ -231,52 +222,6 @@ def gradient_from_product_tile(product, rows: RowGradients, head: Head, out, nee
     d_raw = logits_gradient(z, onehot, rows, head)
     out.copy_(d_raw)
     return d_raw.sum(0) if need_b else None
-
-
-def shifted_rows_tile(x, lse, head: Head):
-    """x [n, H] widened to the K of `shifted_weight` (a multiple of 8): [x, -c_hi, -c_lo, (1 with a bias), 0...], in
-    x's dtype, where c = lse / a per row (a = scale / temperature) split into two 16-bit parts, so that one GEMM
-    against the widened weight sums x @ w.T + b - c in float32 before rounding its output: (z - lse) / a = log p / a.
-    Rounded there, log p keeps 16-bit precision relative to |log p|, where a rounded logit z is off by |z| 2**-9."""
-    a = head.values[SCALE] * inverse_temperature(head)
-    shift = (lse.unsqueeze(-1) / a).expand(x.shape[0], 1).float()
-    # the high part by truncating the float32 bits (torch.compile elides a cast to bf16 and back, which would leave
-    # the low part 0); exact in bf16, and shift - hi has at most 16 significant bits, so lo keeps 8 of them
-    hi = (shift.view(torch.int32) & -65536).view(torch.float32)
-    lo = (shift - hi).to(x.dtype)
-    hi = hi.to(x.dtype)
-    ones = [torch.ones_like(hi)] if head.bias is not None else []
-    columns = [x, -hi, -lo, *ones]
-    width = sum(c.shape[1] for c in columns)
-    pad = x.new_zeros(x.shape[0], shifted_width(x.shape[1], head) - width)
-    return torch.cat([*columns, pad], dim=1)
-
-
-def shifted_width(hidden_size: int, head: Head) -> int:
-    """K of the shifted GEMM: H plus the shift's two columns (and the bias's), rounded up to a multiple of 8 (the
-    16-byte alignment tensor-core GEMMs want)."""
-    return -(-(hidden_size + 2 + (head.bias is not None)) // 8) * 8
-
-
-def shifted_weight(head: Head, width: int):
-    """A vocabulary slice of the weight widened to `width` columns to match `shifted_rows`: [w, 1, 1, (b), 0...]."""
-    w = head.weight
-    ones = w.new_ones(w.shape[0], 2)
-    bias = [head.bias.to(w.dtype).unsqueeze(-1)] if head.bias is not None else []
-    pad = w.new_zeros(w.shape[0], width - w.shape[1] - 2 - len(bias))
-    return torch.cat([w, ones, *bias, pad], dim=1)
-
-
-def gradient_vocab_shifted_tile(x, shifted_x, rows: RowGradients, head: Head, v0):
-    """`gradient_vocab_tile` with log p from one 16-bit GEMM of `shifted_rows` (the rows of x widened) against the
-    widened weight slice: the GEMM writes and the gradient reads 2 bytes per logit instead of float32's 4. For a
-    shiftable head (`Head.shiftable`) in a 16-bit dtype; no softcap, so the logits themselves are not needed."""
-    a = head.values[SCALE] * inverse_temperature(head)
-    log_p = torch.mm(shifted_x, shifted_weight(head, shifted_x.shape[1]).T).to(stat_dtype(x)) * a
-    ids = torch.arange(log_p.shape[-1], device=log_p.device, dtype=rows.targets.dtype)
-    onehot = (rows.targets - v0).unsqueeze(-1) == ids
-    d_raw = log_probs_gradient(log_p, onehot, rows) * a
-    return d_raw.to(x.dtype), d_raw.sum(0) if head.bias is not None else None
 
 
 def gradient_vocab_tile(x, rows: RowGradients, head: Head, v0):

@@ -12,6 +12,8 @@ from cases import TILES
 
 import reference
 from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, streaming
+from compiled_grpo.config import GRPOLossConfig
+from compiled_grpo.head import make_head
 from compiled_grpo.logprobs import fused_linear_extra_statistics, fused_linear_logprobs_with_extras
 from compiled_grpo.schedules import sparse
 
@@ -374,3 +376,23 @@ def test_compiled_with_extras_is_the_compiled_primitive():
     torch.testing.assert_close(extras.log_sum_sq_probs.double(), ref.log_sum_sq_probs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(extras.mean_logits.double(), ref.mean_logits, rtol=1e-5, atol=1e-6)
     assert torch.equal(extras.is_top1, ref.is_top1)
+
+
+def test_gradient_tiles_take_int32_ids_to_the_same_bits():
+    """The tiles compare int32 target ids (`streaming.compared_ids`, faster to load per logit): the same gradient as
+    int64 ids, bitwise, for a vocabulary slice and for whole-vocabulary rows."""
+    hidden, weight, bias, targets, g = make(11, shape=(40,), dtype=torch.float32, ignored=0.0)
+    lse = torch.logsumexp(hidden @ weight.T + bias, -1)
+    upstream = [torch.randn(40, generator=g) for _ in range(3)]
+    head = make_head(weight, bias, GRPOLossConfig(), torch.float32)
+    results = []
+    for ids in (targets, streaming.compared_ids(targets)):
+        rows = streaming.RowGradients(ids, lse, *upstream)
+        v0 = torch.tensor(512, dtype=ids.dtype)
+        sliced = streaming.gradient_vocab_tile(hidden, rows._replace(targets=ids), head.vocab_slice(512, 256), v0)
+        out = torch.empty(40, weight.shape[0])
+        streaming.gradient_from_product_tile(hidden @ weight.T, rows, head, out, False)
+        results.append((sliced[0], sliced[1], out))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert streaming.compared_ids(targets).dtype == torch.int32

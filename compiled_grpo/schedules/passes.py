@@ -63,11 +63,6 @@ def compiles_objective(engine: Engine, hidden) -> bool:
 
 COMPILE_OBJECTIVE_ON_CPU = False  # tests set it to check the compiled objective where no GPU is
 
-# The vocabulary-outer backward of bf16 inputs takes log p from one bf16 GEMM shifted by each row's lse
-# (`shifted_tiles`); False: it recomputes the float32 product, as the statistics pass reads it (benchmarks and
-# tests compare the two)
-SHIFTED_RECOMPUTE = True
-
 
 def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0, rows=None) -> Slots:
     """`rows`: for packed hidden states [rows, H], the row of each [B * T] position (`LossInputs.hidden_rows`)."""
@@ -160,7 +155,6 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
     # made on the device (no wait), in the dtype of the row targets they offset
     offsets = torch.arange(0, weight.shape[0], vocab_tile, device=x.device, dtype=rows.targets.dtype)
     direct = len(tiles) == 1  # one token tile: a dW slice is one GEMM, written in weight's dtype directly
-    shifted = shifted_tiles(engine, x, rows, head, tiles)
     for j, v0 in enumerate(range(0, weight.shape[0], vocab_tile)):
         head_v = head.vocab_slice(v0, vocab_tile)
         dw_v = None
@@ -169,11 +163,7 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
         db_v = accumulator(x, head_v.weight.shape[:1]) if wanted.bias else None
         for i, (s, n) in enumerate(tiles):
             rows_t = RowGradients(*(None if t is None else t[s : s + n] for t in rows))
-            if shifted is None:
-                d_raw, db_t = engine.kernels.gradient_vocab(x[s : s + n], rows_t, head_v.rows(s, n), offsets[j])
-            else:
-                d_raw, db_t = engine.kernels.gradient_vocab_shifted(x[s : s + n], shifted[i], rows_t,
-                                                                    head_v.rows(s, n), offsets[j])  # fmt: skip
+            d_raw, db_t = engine.kernels.gradient_vocab(x[s : s + n], rows_t, head_v.rows(s, n), offsets[j])
             streaming.add_matmul(dx[s : s + n], d_raw, head_v.weight, first=j == 0)
             if direct and wanted.weight:
                 torch.mm(d_raw.T, x[s : s + n], out=dw_v)
@@ -187,16 +177,6 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
             db[v0 : v0 + vocab_tile] = db_v
     distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
     return dx.to(x.dtype), dw, db
-
-
-def shifted_tiles(engine: Engine, x, rows: RowGradients, head: Head, tiles):
-    """Each token tile's rows widened for the shifted GEMM (`streaming.shifted_rows_tile`), made once for every
-    vocabulary slice, where the backward takes log p from it: bf16 inputs and a shiftable head. None elsewhere
-    (float32/64 inputs have no 16-bit output to save; float16's range could overflow a very negative log p)."""
-    bf16 = x.dtype == torch.bfloat16 and head.weight.dtype == torch.bfloat16
-    if not (SHIFTED_RECOMPUTE and head.shiftable and bf16):
-        return None
-    return [engine.kernels.shifted_rows(x[s : s + n], rows.lse[s : s + n], head.rows(s, n)) for s, n in tiles]
 
 
 def buffers_weight_gradient(dtype: torch.dtype, rows: int, hidden_size: int) -> bool:
