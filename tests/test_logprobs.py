@@ -389,7 +389,7 @@ def test_gradient_tiles_take_int32_ids_to_the_same_bits():
     for ids in (targets, streaming.compared_ids(targets)):
         rows = streaming.RowGradients(ids, lse, *upstream)
         v0 = torch.tensor(512, dtype=ids.dtype)
-        sliced = streaming.gradient_vocab_tile(hidden, rows._replace(targets=ids), head.vocab_slice(512, 256), v0)
+        sliced = streaming.gradient_vocab_tile(hidden, rows, head.vocab_slice(512, 256), v0)
         out = torch.empty(40, weight.shape[0])
         streaming.gradient_from_product_tile(hidden @ weight.T, rows, head, out, False)
         results.append((sliced[0], sliced[1], out))
