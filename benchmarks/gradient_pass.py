@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.gpu import median_ms
 from compiled_grpo import streaming, tiling
@@ -35,8 +36,16 @@ TOKENS, VOCAB = 8192, 151936
 CAPTURED = False  # --captured: each variant also timed as a CUDA graph replay
 FUSED = {"max_autotune": True, "max_autotune_gemm_backends": "TRITON", "epilogue_fusion": True}
 AUTOTUNED = {"max_autotune": True, "epilogue_fusion": True}
+TUNED = {"coordinate_descent_tuning": True}
+STATISTICS_VARIANTS = {  # name: torch.compile options of the statistics tile (None: the library's)
+    "float32 product, whole vocabulary rows": None,
+    "coordinate-descent tuned fold": TUNED,
+    "autotuned fold": {"max_autotune_pointwise": True},
+    "autotuned and coordinate-descent tuned fold": {"max_autotune_pointwise": True, **TUNED},
+}
 VARIANTS = {  # name: (rounded product, torch.compile options of the gradient tile or None for the library's)
     "float32 product": (False, None),
+    "float32 product, coordinate-descent tuned": (False, TUNED),
     "bf16 product, cuBLAS": (True, None),
     "bf16 product, fused epilogue": (True, FUSED),
     "bf16 product, autotuned": (True, AUTOTUNED),
@@ -51,20 +60,34 @@ def inputs(hidden_size: int):
     return x, w, targets
 
 
-def engine_with(options) -> Engine:
+def engine_with(options, statistics_options=None) -> Engine:
     kernels = Kernels(True)
+    compiled = lambda f, o: torch.compile(f, fullgraph=True, dynamic=False, options=o)
     if options is not None:
-        kernels.gradient_vocab = torch.compile(
-            streaming.gradient_vocab_tile, fullgraph=True, dynamic=False, options=options
-        )
+        kernels.gradient_vocab = compiled(streaming.gradient_vocab_tile, options)
+    if statistics_options is not None:
+        kernels.statistics = compiled(streaming.statistics_tile, statistics_options)
     return Engine(kernels, tiling.Tiles.for_device(torch.device("cuda")), VocabShard())
 
 
-def kernel_count(fn) -> int:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+def profiled(fn, calls: int = 3) -> dict:
+    """Kernels launched per call, and per call (median of `calls`) the GPU's busy time (the kernels' durations
+    summed) and its span (the call's start on the host to its last kernel's end): span - busy is the time the GPU
+    waited inside a call, for the host or between kernels."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function("call"):
+                fn()
+            torch.cuda.synchronize()
+    events = prof.events()
+    starts = sorted(e.time_range.start for e in events if e.device_type.name == "CPU" and e.name == "call")
+    kernels = [e for e in events if e.device_type.name == "CUDA" and e.name != "call"]
+    busy, span = [], []
+    for start, following in zip(starts, [*starts[1:], float("inf")], strict=True):  # each call ends synchronized
+        inside = [k for k in kernels if start <= k.time_range.start < following]
+        busy.append(sum(k.time_range.elapsed_us() for k in inside) / 1e3)
+        span.append((max(k.time_range.end for k in inside) - start) / 1e3)
+    return {"kernels": len(kernels) // calls, "busy_ms": statistics.median(busy), "span_ms": statistics.median(span)}
 
 
 def chunked_statistics(kernels, x, targets, head: Head, piece: int, chunk: int):
@@ -128,7 +151,7 @@ def measured(row: dict, fn, repeats: int):
         torch.cuda.synchronize()
         row["first_call_s"] = time.perf_counter() - start
         row["ms"] = median_ms(fn, repeats)
-        row["kernels"] = kernel_count(fn)
+        row.update(profiled(fn))
         if CAPTURED:  # the GPU's time alone, without the host's launches
             replay, _ = as_replay(fn)
             row["replay_ms"] = median_ms(replay, repeats)
@@ -146,10 +169,18 @@ def run_hidden(hidden_size: int, repeats: int, chunks: list[tuple[int, int]], su
     tiles = ((0, TOKENS),)
     out = []
     exact = Head(w, None, values, False)
+    logp = entropy = lse = None
+    for name, options in STATISTICS_VARIANTS.items():
+        torch._dynamo.reset()
+        engine = engine_with(None, options)
+        row = {"H": hidden_size, "pass": f"statistics ({name})"}
+        got = measured(row, lambda e=engine: statistics_pass(e, x, targets, exact, tiles), repeats)
+        if got is not None and logp is not None:
+            row["logp_max"] = (got[0] - logp).abs().max().item()
+            row["entropy_max"] = (got[1] - entropy).abs().max().item()
+        logp, entropy, lse = (logp, entropy, lse) if logp is not None else got
+        out.append(row)
     engine = engine_with(None)
-    row = {"H": hidden_size, "pass": "statistics (float32 product, whole vocabulary rows)"}
-    logp, entropy, lse = measured(row, lambda: statistics_pass(engine, x, targets, exact, tiles), repeats)
-    out.append(row)
     row = {"H": hidden_size, "pass": "statistics with TRL's extra fields (same read)"}
     measured(row, lambda: statistics_pass(engine, x, targets, exact, tiles, extras=True), repeats)
     out.append(row)
@@ -204,6 +235,12 @@ def main(argv=None):
         help="statistics blocks, tokens x vocabulary entries",
     )
     ap.add_argument("--chunks", default="2048,1024,512", help="vocabulary chunks of the chunked gradient pass")
+    ap.add_argument(
+        "--statistics-variants",
+        default="",
+        help="';'-separated name substrings of the statistics variants to keep besides the library's "
+        "('tuned;autotuned': Inductor's tuning of the fold's kernel)",
+    )
     ap.add_argument("--out", default="gradient-pass.json")
     ap.add_argument("--captured", action="store_true", help="also time each variant as one CUDA graph replay")
     args = ap.parse_args(argv)
@@ -215,6 +252,9 @@ def main(argv=None):
         for name in list(VARIANTS):
             if name != "float32 product" and not any(k in name for k in args.variants.split(";")):
                 del VARIANTS[name]
+    for name in list(STATISTICS_VARIANTS)[1:]:
+        if not any(k and k in name for k in args.statistics_variants.split(";")):
+            del STATISTICS_VARIANTS[name]
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": TOKENS, "vocab": VOCAB}
     blocks = [tuple(int(v) for v in b.split("x")) for b in filter(None, args.blocks.split(","))]
     chunks = [int(c) for c in filter(None, args.chunks.split(","))]

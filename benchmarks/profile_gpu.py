@@ -6,8 +6,9 @@ gap's time is charged to the innermost phase the host was in.
 
 python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
 
-`--schedule` is one of the GRPO loss's schedules, or `primitive` (`fused_linear_logprobs` with the loss on top)
-or `trl` (TRL 1.16's fused head with the same loss), as benchmarks.gpu runs them.
+`--schedule` is one of the GRPO loss's schedules, or `primitive` (`fused_linear_logprobs` with the loss on top),
+`primitive-rounded` (the same with `round_logits=True`) or `trl` (TRL 1.16's fused head with the same loss), as
+benchmarks.gpu runs them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ PHASES = (
     (speed.PrecomputedGradients, "backward"), (memory.StatisticsThenRecompute, "backward"),
     (sparse.StatisticsThenSparseGradients, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
 )  # fmt: skip
-HEADS = {"primitive": gpu.primitive(), "trl": gpu.trl_fused_head}  # heads with the loss on top, as benchmarks.gpu
+HEADS = {"primitive": gpu.primitive(), "primitive-rounded": gpu.primitive(round_logits=True), "trl": gpu.trl_fused_head}
+# heads with the loss on top, as benchmarks.gpu
 
 
 @contextlib.contextmanager

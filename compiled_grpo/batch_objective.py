@@ -128,6 +128,14 @@ def loss_value_and_gradients(
 compiled_loss_value_and_gradients = torch.compile(loss_value_and_gradients, dynamic=True)
 
 
+def value_and_gradients_in_grad_mode(cfg, batch, coef, logp, entropy, norms, *, entropy_mask=None):
+    """`compiled_loss_value_and_gradients` run in grad mode whatever the caller's (under `no_grad` or
+    `inference_mode` too): one graph, whose value is the loss with and without grad mode alike (an eager loss
+    there can round differently from the compiled graph in the last bit)."""
+    with torch.enable_grad():
+        return compiled_loss_value_and_gradients(cfg, batch, coef, logp, entropy, norms, entropy_mask=entropy_mask)
+
+
 class LossWithGradients(torch.autograd.Function):
     """The loss's value, with its gradients w.r.t. logp and entropy taken up front (`loss_value_and_gradients`):
     the backward scales them instead of replaying the objective's eager backward."""
@@ -195,13 +203,14 @@ class Objective:
         """The batch's loss (differentiable in logp and entropy) and TRL's metrics. `compiled`: the loss's value
         and gradients from one torch.compile graph (`LossWithGradients`), and the metrics from another."""
         norms = self.normalizers(entropy_mask) if norms is None else norms
-        if compiled and torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad):
-            f = compiled_loss_value_and_gradients
+        if compiled:
             coef = self.coefficient(logp)
-            (g_logp, g_entropy), (value, policy) = f(
+            (g_logp, g_entropy), (value, policy) = value_and_gradients_in_grad_mode(
                 self.cfg, self.batch, coef, logp.detach(), entropy.detach(), norms, entropy_mask=entropy_mask
             )
-            loss = LossWithGradients.apply(value, logp, entropy, g_logp, None if coef is None else g_entropy)
+            loss = value  # without grad mode: the same graph's value, so the grad-mode call's bits
+            if torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad):
+                loss = LossWithGradients.apply(value, logp, entropy, g_logp, None if coef is None else g_entropy)
         else:
             loss, policy = self.loss_of_rows(logp, entropy, norms, entropy_mask)
         return loss, self.metrics(logp, entropy, entropy_mask, policy, compiled)
