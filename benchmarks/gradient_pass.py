@@ -10,7 +10,10 @@ Gradient-pass variants:
 - `bf16 product, fused epilogue`: Inductor's Triton GEMM template with the gradient as its epilogue, so the
   product never reaches memory (2, then 2 + 2);
 - `bf16 product, autotuned`: Inductor picks between cuBLAS and its templates (max-autotune, both backends).
-Each variant's dX and dW are compared with the float32-product variant's. Median of CUDA-event times.
+Each variant's dX and dW are compared with the float32-product variant's. `--statistics-variants` adds the
+statistics pass with its fold compiled under Inductor's tuning options. Each row: the median of CUDA-event times,
+and from a profile of 3 calls the kernels per call, the GPU's busy time and the call's span (host start to last
+kernel): span - busy is the time the GPU waited inside a call.
 
     python -m benchmarks.gradient_pass [--hidden 896,1536,4096] [--repeats 10] [--out gradient-pass.json]
 """
