@@ -125,6 +125,27 @@ def test_compiled_objective(settings, schedule, inputs, monkeypatch):
     assert graphs_compiled() == graphs, "a new batch shape recompiled the objective"
 
 
+def test_compiled_objective_without_grad_mode(monkeypatch):
+    """Without grad mode the compiled loss's value comes from the grad-mode call's compiled graph (an eager
+    objective there could differ in the last bit): the same loss bits under no_grad and inference_mode."""
+    from compiled_grpo.schedules import passes
+
+    monkeypatch.setattr(passes, "COMPILE_OBJECTIVE_ON_CPU", True)
+    calls = {"objective": 0}
+    original = batch_objective.compiled_loss_value_and_gradients
+    monkeypatch.setattr(batch_objective, "compiled_loss_value_and_gradients", counted(original, calls, "objective"))
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="memory", loss_type="dapo", **TILES)
+    x = make_inputs(seed=12, B=3, T=37, dtype=torch.float32)
+    grad_mode, _ = run_fused(loss_fn, x)
+    args = [x[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    for context in (torch.no_grad, torch.inference_mode):
+        before = calls["objective"]
+        with context():
+            out = loss_fn(*args, old_per_token_logps=x["old_per_token_logps"])
+        assert calls["objective"] == before + 1, context  # the compiled graph, not the eager objective
+        assert torch.equal(out.loss, grad_mode.loss.detach()), context
+
+
 def counted(function, calls: dict, key: str):
     def call(*args, **kwargs):
         calls[key] += 1
