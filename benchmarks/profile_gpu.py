@@ -37,8 +37,8 @@ PHASES = (
     (speed.PrecomputedGradients, "backward"), (memory.StatisticsThenRecompute, "backward"),
     (sparse.StatisticsThenSparseGradients, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
 )  # fmt: skip
+# heads with the loss on top, as benchmarks.gpu runs them
 HEADS = {"primitive": gpu.primitive(), "primitive-rounded": gpu.primitive(round_logits=True), "trl": gpu.trl_fused_head}
-# heads with the loss on top, as benchmarks.gpu
 
 
 @contextlib.contextmanager
