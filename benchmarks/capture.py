@@ -1,15 +1,19 @@
-"""Captured calls against uncaptured ones: the speed schedule with `capture=True` and without, on one GPU, bf16,
-8192 tokens, V=151936, dapo, forward + backward, beside the three lm_head GEMMs (the floor) in the same run.
+"""Captured calls against uncaptured ones: the speed and memory schedules with `capture=True` and without, on one
+GPU, bf16, 8192 tokens, V=151936, dapo, forward + backward, beside the three lm_head GEMMs (the floor) in the same
+run.
 
     python -m benchmarks.capture [--hidden 896,1536,4096] [--repeats 20] [--out benchmark-results/capture]
 
-Per method: the median time per call (synchronized), and the host's time to issue the call (the call returns
-before the GPU has finished; its planning waits for the GPU once), both in ms.
+Per method: the median time per call (synchronized), and the host's time to issue its forward and its backward
+(each returns before the GPU has finished; the forward's plan waits for the GPU once, which starts each call
+idle), in ms. "eager value checks": the value checks as the eager reductions a CPU runs instead of their
+compiled graphs; "validate=False": no value checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo import FusedLinearGRPOLoss, validation
 
 TOKENS, VOCAB = 8192, 151936
 
@@ -34,19 +38,33 @@ def batch(H: int):
     return hidden, weight, ids, mask, advantages, old
 
 
-def timed(step, repeats: int):
+def timed(forward, repeats: int, backward=torch.Tensor.backward):
+    """Median (wall, host time of the forward, host time of the backward) of `backward(forward())`."""
     for _ in range(3):
-        step()
+        backward(forward())
     torch.cuda.synchronize()
-    walls, hosts = [], []
+    walls, forwards, backwards = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        step()
+        loss = forward()
         t1 = time.perf_counter()
+        backward(loss)
+        t2 = time.perf_counter()
         torch.cuda.synchronize()
-        hosts.append((t1 - t0) * 1e3)
+        forwards.append((t1 - t0) * 1e3)
+        backwards.append((t2 - t1) * 1e3)
         walls.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(walls), statistics.median(hosts)
+    return statistics.median(walls), statistics.median(forwards), statistics.median(backwards)
+
+
+METHODS = {  # name: (schedule, options)
+    "speed": ("speed", {}),
+    "speed, captured": ("speed", {"capture": True}),
+    "memory": ("memory", {}),
+    "memory, captured": ("memory", {"capture": True}),
+    "memory, captured, eager value checks": ("memory", {"capture": True}),
+    "memory, captured, validate=False": ("memory", {"capture": True, "validate": False}),
+}
 
 
 def run(H: int, repeats: int) -> dict:
@@ -55,22 +73,34 @@ def run(H: int, repeats: int) -> dict:
 
     def floor():
         x = hidden.reshape(-1, H).requires_grad_()
-        z = x @ weight.T
-        z.backward(torch.ones_like(z))
+        return x @ weight.T
 
-    rows["floor (3 GEMMs)"] = timed(floor, repeats)
-    for name, capture in (("speed", False), ("speed, captured", True)):
-        loss_fn = FusedLinearGRPOLoss(schedule="speed", capture=capture)
+    rows["floor (3 GEMMs)"] = timed(floor, repeats, lambda z: z.backward(torch.ones_like(z)))
+    for name, (schedule, options) in METHODS.items():
+        loss_fn = FusedLinearGRPOLoss(schedule=schedule, **options)
 
-        def step(loss_fn=loss_fn):
-            h = hidden.detach().requires_grad_()
+        def forward(loss_fn=loss_fn):
             weight.grad = None
-            loss_fn(h, weight, ids, mask, advantages, old_per_token_logps=old).loss.backward()
+            return loss_fn(hidden.detach().requires_grad_(), weight, ids, mask, advantages,
+                           old_per_token_logps=old).loss  # fmt: skip
 
-        rows[name] = timed(step, repeats)
-        if capture:
+        with eager_value_checks(name.endswith("eager value checks")):
+            rows[name] = timed(forward, repeats)
+        if loss_fn.captures is not None:
             rows[name] += (loss_fn.captures.replays,)
     return rows
+
+
+@contextlib.contextmanager
+def eager_value_checks(on: bool):
+    """The value checks as eager reductions (a CPU's) instead of their compiled graphs, while `on`."""
+    original = validation.compiled_checks
+    if on:
+        validation.compiled_checks = lambda flags, like: flags
+    try:
+        yield
+    finally:
+        validation.compiled_checks = original
 
 
 def main(argv=None):
@@ -82,12 +112,12 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    lines = ["| H | method | time per call (ms) | host time to issue (ms) |", "|---|---|---|---|"]
+    lines = ["| H | method | time per call (ms) | host: forward (ms) | host: backward (ms) |", "|---|---|---|---|---|"]
     for H in (int(h) for h in args.hidden.split(",")):
         rows = run(H, args.repeats)
         results[H] = rows
-        for name, (wall, host, *_) in rows.items():
-            lines.append(f"| {H} | {name} | {wall:.2f} | {host:.2f} |")
+        for name, (wall, forward, backward, *_) in rows.items():
+            lines.append(f"| {H} | {name} | {wall:.2f} | {forward:.2f} | {backward:.2f} |")
             print(lines[-1], flush=True)
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}; medians of {args.repeats}"
     (out / "capture.json").write_text(json.dumps({"env": env, "results": results}, indent=1))

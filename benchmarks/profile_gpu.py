@@ -25,7 +25,7 @@ import reference
 from benchmarks import gpu
 from benchmarks.gpu import SHAPES, loss_settings, make_inputs
 from compiled_grpo import FusedLinearGRPOLoss, batch_objective, logprobs, quantile, tiling, validation
-from compiled_grpo.schedules import memory, passes, sparse, speed
+from compiled_grpo.schedules import memory, passes, sparse, speed, whole_forward
 
 # (owner, attribute) of the phases charged with idle time
 PHASES = (
@@ -35,7 +35,8 @@ PHASES = (
     (sparse, "gradients_of_rows"), (batch_objective.Objective, "loss_and_metrics"), (batch_objective, "metrics"),
     (batch_objective.Objective, "normalizers"), (quantile, "high_entropy_mask"), (validation, "statistics_faults"),
     (speed.PrecomputedGradients, "backward"), (memory.StatisticsThenRecompute, "backward"),
-    (sparse.StatisticsThenSparseGradients, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
+    (sparse.StatisticsThenSparseGradients, "gradients"), (whole_forward, "forward_work"),
+    (whole_forward.LossOfSlots, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
 )  # fmt: skip
 # heads with the loss on top, as benchmarks.gpu runs them
 HEADS = {"primitive": gpu.primitive(), "primitive-rounded": gpu.primitive(round_logits=True), "trl": gpu.trl_fused_head}

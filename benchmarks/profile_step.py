@@ -22,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from trl import GRPOTrainer
 
 from benchmarks import profile_gpu, trl_step
-from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo import FusedLinearGRPOLoss, tiling
 from compiled_grpo.integrations import trl as trl_integration
-from compiled_grpo.schedules import memory, sparse, speed
+from compiled_grpo.schedules import memory, speed, whole_forward
 
 PHASES = (  # (owner, attribute, phase name)
     (GRPOTrainer, "_compute_loss", "compute_loss (TRL's or ours)"),
@@ -33,9 +33,10 @@ PHASES = (  # (owner, attribute, phase name)
     (trl_head.ChunkedLogProbFunction, "backward", "head backward (TRL)"),
     (FusedLinearGRPOLoss, "__call__", "head + loss forward (library)"),
     (trl_integration, "read_back", "metrics read back (library)"),
+    (tiling, "positions_and_lengths", "the plan's counts and wait (library)"),
     (speed.PrecomputedGradients, "backward", "head backward (library)"),
     (memory.StatisticsThenRecompute, "backward", "head backward (library)"),
-    (sparse.StatisticsThenSparseGradients, "backward", "head backward (library)"),
+    (whole_forward.LossOfSlots, "backward", "head backward (library)"),
 )
 MODEL_FORWARD, BACKWARD, STEP = "backbone forward", "backward (all)", "step"
 

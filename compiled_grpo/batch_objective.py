@@ -203,17 +203,27 @@ class Objective:
         """The batch's loss (differentiable in logp and entropy) and TRL's metrics. `compiled`: the loss's value
         and gradients from one torch.compile graph (`LossWithGradients`), and the metrics from another."""
         norms = self.normalizers(entropy_mask) if norms is None else norms
-        if compiled:
-            coef = self.coefficient(logp)
-            (g_logp, g_entropy), (value, policy) = value_and_gradients_in_grad_mode(
-                self.cfg, self.batch, coef, logp.detach(), entropy.detach(), norms, entropy_mask=entropy_mask
-            )
-            loss = value  # without grad mode: the same graph's value, so the grad-mode call's bits
-            if torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad):
-                loss = LossWithGradients.apply(value, logp, entropy, g_logp, None if coef is None else g_entropy)
-        else:
+        if not compiled:
             loss, policy = self.loss_of_rows(logp, entropy, norms, entropy_mask)
-        return loss, self.metrics(logp, entropy, entropy_mask, policy, compiled)
+            return loss, self.metrics(logp, entropy, entropy_mask, policy)
+        value, metrics, g_logp, g_entropy = self.value_metrics_and_gradients(logp, entropy, entropy_mask, norms, True)
+        loss = value  # without grad mode: the same graph's value, so the grad-mode call's bits
+        if torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad):
+            loss = LossWithGradients.apply(value, logp, entropy, g_logp, g_entropy)
+        return loss, metrics
+
+    def value_metrics_and_gradients(self, logp, entropy, entropy_mask=None, norms=None, compiled: bool = False):
+        """(loss value, TRL's metrics, d loss / d logp, d loss / d entropy), the gradients at every [B, T] position
+        and d loss / d entropy None without the entropy bonus (no entropy term); `compiled`: from the torch.compile
+        graphs (their value in grad mode whatever the caller's), else eager (torch.func)."""
+        norms = self.normalizers(entropy_mask) if norms is None else norms
+        coef = self.coefficient(logp)
+        f = value_and_gradients_in_grad_mode if compiled else loss_value_and_gradients
+        (g_logp, g_entropy), (value, policy) = f(
+            self.cfg, self.batch, coef, logp.detach(), entropy.detach(), norms, entropy_mask=entropy_mask
+        )
+        metrics = self.metrics(logp, entropy, entropy_mask, policy, compiled)
+        return value, metrics, g_logp, None if coef is None else g_entropy
 
     def metrics(self, logp, entropy, entropy_mask, policy, compiled: bool = False) -> dict:
         """TRL's metrics; `compiled` (and one process): from one torch.compile graph per loss configuration."""

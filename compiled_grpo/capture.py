@@ -8,7 +8,9 @@ tensors whose shapes the plan fixes, with no host read; so it can be recorded on
 dtypes, settings, the tile plan's structure, the address of tensors used in place, such as the lm_head weight).
 The first call of a key runs `work` uncaptured (it compiles and warms the kernels); the second captures it;
 later calls copy their tensors into the graph's static inputs and replay. Outputs are copied out of the
-graph's static buffers, so a result stays valid across later calls. A capture that fails (work that reads the
+graph's static buffers, so a result stays valid across later calls; the small ones are written by the graph
+into one buffer per dtype (`StaticOutputs`), so that a replay's results come out in a copy or two rather than
+one per metric. A capture that fails (work that reads the
 host, say) is said once, and that key then runs uncaptured. Graphs share one memory pool (they never run at the
 same time); at most `limit` graphs are kept, the least recently used dropped first. The pool keeps each graph's
 workspace reserved between calls: where it grows past `pool_limit` bytes (the loss's workspace budget), every
@@ -36,7 +38,68 @@ class CaptureNotice(UserWarning):
 class Graph:
     graph: object  # torch.cuda.CUDAGraph, or None after a failed capture
     inputs: list  # the static input tensors the graph reads
-    outputs: object  # the pytree of static outputs it writes
+    outputs: StaticOutputs | None  # the static outputs it writes
+
+
+# Outputs of at most this many elements share one static buffer per dtype (metrics, per-token values); larger
+# ones (a gradient pass's dW, dX) are copied out on their own, so packing never adds a copy of a large tensor.
+PACKED_NUMEL = 1 << 18
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where a small output lies: the next slice of one of `StaticOutputs.buffers`."""
+
+    buffer: int
+    shape: torch.Size
+
+
+@dataclass
+class StaticOutputs:
+    """A graph's outputs (a pytree): each small tensor a slice of one buffer per dtype and device, which the
+    graph writes (`of`, called inside the capture), the large ones and non-tensors as they are."""
+
+    spec: object  # the pytree's structure
+    leaves: list  # a leaf (a large tensor, a non-tensor) or `Packed`
+    buffers: list
+
+    @classmethod
+    def of(cls, outputs) -> StaticOutputs:
+        leaves, spec = pytree.tree_flatten(outputs)
+        groups: dict = {}
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.numel() <= PACKED_NUMEL:
+                groups.setdefault((t.dtype, t.device), []).append(i)
+        buffers = []
+        for members in groups.values():
+            buffers.append(torch.cat([leaves[i].reshape(-1) for i in members]))
+            for i in members:
+                leaves[i] = Packed(len(buffers) - 1, leaves[i].shape)
+        return cls(spec, leaves, buffers)
+
+    def tensors(self) -> list:
+        """Every static tensor the graph writes."""
+        return self.buffers + [t for t in self.leaves if isinstance(t, torch.Tensor)]
+
+    def copied(self):
+        """The outputs, copied out of the static buffers (one copy per buffer and per large tensor)."""
+        parts = [iter(b.clone().split(sizes)) for b, sizes in zip(self.buffers, self.sizes(), strict=True)]
+
+        def leaf(v):
+            if isinstance(v, Packed):
+                part = next(parts[v.buffer])
+                return part if part.shape == v.shape else part.view(v.shape)
+            return v.clone() if isinstance(v, torch.Tensor) else v
+
+        return pytree.tree_unflatten([leaf(v) for v in self.leaves], self.spec)
+
+    def sizes(self) -> list[list[int]]:
+        """The element counts of each buffer's tensors, in order."""
+        sizes = [[] for _ in self.buffers]
+        for v in self.leaves:
+            if isinstance(v, Packed):
+                sizes[v.buffer].append(v.shape.numel())
+        return sizes
 
 
 class Captures:
@@ -65,6 +128,13 @@ class Captures:
         # and requires_grad, and a recompile inside a capture breaks it (an expanded gradient whose static copy is
         # dense, hidden states that require grad where their static copy does not); the work never needs autograd
         tensors = [t.detach().contiguous() for t in tensors]
+        # and the same mode: static buffers are ordinary tensors whatever the caller's mode (made under
+        # inference_mode they could not be written by a later call outside it), and grad mode off throughout (a
+        # compiled tile guards on it too)
+        with torch.inference_mode(False), torch.no_grad():
+            return self._run(key, work, tensors)
+
+    def _run(self, key, work, tensors: list):
         if self.stopped:  # the pool outgrew its budget (`_measure_pool`)
             return work(*tensors)
         entry = self.graphs.get(key)
@@ -73,20 +143,17 @@ class Captures:
                 self.seen.clear()
             self.seen.add(key)
             return work(*tensors)
-        # static buffers are ordinary tensors whatever the caller's mode: made under inference_mode they could not
-        # be written by a later call outside it
-        with torch.inference_mode(False), torch.no_grad():
-            if entry is None:
-                entry = self._capture(key, work, tensors)
-            if entry.graph is not None and key in self.graphs:  # not dropped with the pool (`_measure_pool`)
-                self.graphs.move_to_end(key)
-                for static, given in zip(entry.inputs, tensors, strict=True):
-                    static.copy_(given)
-                entry.graph.replay()
-                self.replays += 1
+        if entry is None:
+            entry = self._capture(key, work, tensors)
+        if entry.graph is not None and key in self.graphs:  # not dropped with the pool (`_measure_pool`)
+            self.graphs.move_to_end(key)
+            for static, given in zip(entry.inputs, tensors, strict=True):
+                static.copy_(given)
+            entry.graph.replay()
+            self.replays += 1
         if entry.graph is None or self.stopped:  # failed, or dropped with the pool just now
             return work(*tensors)
-        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.outputs)
+        return entry.outputs.copied()
 
     def _capture(self, key, work, tensors) -> Graph:
         static = [t.clone() for t in tensors]
@@ -94,7 +161,7 @@ class Captures:
         try:
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = work(*static)
+                outputs = StaticOutputs.of(work(*static))
         except Exception as error:  # noqa: BLE001 - any failure: run this key uncaptured, say why once
             torch.cuda.synchronize()
             return self._failed(key, error)

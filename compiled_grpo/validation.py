@@ -100,16 +100,12 @@ def statistics_faults(active, logp, entropy, hidden, weight, bias, *, rows=None,
     overflowed. Two flags on the device (a reduction over the positions and one over hidden's active rows); weight
     and bias, whose reading costs a pass over the lm_head, are read only when a fault is raised, if still alive.
     `rows`: a packed call's hidden row of each position. `later`: raised after the call (`faults.Deferred`)."""
-    bad_stats = ~(~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()
-    finite_rows = torch.isfinite(hidden.reshape(-1, hidden.shape[-1])).all(-1)
-    if rows is not None:  # a packed call: no position has a row when hidden has none
-        finite_rows = finite_rows[rows] if finite_rows.numel() else torch.ones_like(rows, dtype=torch.bool)
-    finite_hidden = finite_rows.reshape(active.shape)
-    bad_hidden = ~(~active | finite_hidden).all()
+    flags = compiled_checks(statistics_flags, active)
+    bad_hidden, bad_stats = flags(active, logp.detach(), entropy.detach(), hidden.detach(), rows)
     when = " (found after an earlier call, whose results are not valid)" if later else ""
     faults = Faults()
     faults.add(
-        bad_stats & bad_hidden,
+        bad_hidden,
         lambda _: ValueError(
             f"hidden: NaN or infinite value at an active position{when}: the log-probs and entropies would be NaN"
         ),
@@ -117,6 +113,25 @@ def statistics_faults(active, logp, entropy, hidden, weight, bias, *, rows=None,
     head = (("weight", weakref.ref(weight)), ("bias", None if bias is None else weakref.ref(bias)))
     faults.add(bad_stats, lambda _: non_finite_head(head, when))
     return faults
+
+
+def statistics_flags(active, logp, entropy, hidden, rows):
+    """(non-finite statistics with hidden non-finite at an active position, non-finite statistics), int64 0-d."""
+    bad_stats = ~(~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()
+    finite_rows = torch.isfinite(hidden.reshape(-1, hidden.shape[-1])).all(-1)
+    if rows is not None:  # a packed call: no position has a row when hidden has none
+        finite_rows = finite_rows[rows] if finite_rows.numel() else torch.ones_like(rows, dtype=torch.bool)
+    bad_hidden = ~(~active | finite_rows.reshape(active.shape)).all()
+    return (bad_stats & bad_hidden).long(), bad_stats.long()
+
+
+def compiled_checks(flags, like: torch.Tensor):
+    """`flags` as one torch.compile graph on a GPU (its ~25-45 small reductions become a kernel or two: host time
+    in a step bound by the host's launch rate), as it is elsewhere (a CPU has no launches to save)."""
+    return COMPILED_CHECKS[flags] if like.is_cuda or COMPILE_CHECKS_ON_CPU else flags
+
+
+COMPILE_CHECKS_ON_CPU = False  # tests set it to run the compiled checks where no GPU is
 
 
 def non_finite_head(head, when: str) -> ValueError:
@@ -136,30 +151,43 @@ def non_finite_head(head, when: str) -> ValueError:
 
 def value_faults(inputs, vocab: int) -> Faults:
     """Checks of the values at active positions, as device flags; `vocab` is the whole vocabulary's size."""
-    ids, mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages
+    ids, mask = inputs.completion_ids, inputs.completion_mask
+    present = {name: x for name, x in inputs.per_token().items() if x is not None}
+    # a NaN sampling log-prob marks a token vLLM did not score: only infinities are faults there
+    nan_allowed = tuple(name == "sampling_per_token_logps" for name in present)
     is_ratio = inputs.importance_sampling_ratio
-    active = mask != 0
-    faults = Faults()
-    faults.add(~((mask == 0) | (mask == 1)).all(), lambda _: ValueError("completion_mask: values must be 0 or 1"))
-    out_of_range = active & ((ids < 0) | (ids >= vocab))
-    first_bad = first_where(ids.reshape(-1), out_of_range.reshape(-1))
-    faults.add(
-        out_of_range.any(),
+    flags = compiled_checks(value_flags, ids)(ids, mask, inputs.advantages, tuple(present.values()), nan_allowed,
+                                              is_ratio, vocab)  # fmt: skip
+    flags, first_bad = flags[:-1], flags[-1]
+    errors = [
+        lambda _: ValueError("completion_mask: values must be 0 or 1"),
         lambda bad: ValueError(f"completion_ids: id {bad} at an active position is outside [0, {vocab})"),
-        first_bad,
-    )
+        non_finite("advantages"),
+        *(non_finite(name) for name in present),
+    ]
+    if is_ratio is not None:
+        errors += [non_finite("importance_sampling_ratio"),
+                   lambda _: ValueError("importance_sampling_ratio: negative value at an active position")]  # fmt: skip
+    faults = Faults()
+    for i, (flag, error) in enumerate(zip(flags, errors, strict=True)):
+        faults.add(flag, error, first_bad if i == 1 and first_bad is not None else None)
+    return faults
+
+
+def value_flags(ids, mask, advantages, per_token: tuple, nan_allowed: tuple, is_ratio, vocab: int) -> tuple:
+    """The flags of `value_faults` in its order (int64 0-d, non-zero for a fault), then the first id out of range
+    (None without ids)."""
+    active = mask != 0
+    out_of_range = active & ((ids < 0) | (ids >= vocab))
     adv = advantages if advantages.dim() == 1 else torch.where(active, advantages, 0.0)
-    faults.add(~torch.isfinite(adv).all(), non_finite("advantages"))
-    for name, x in inputs.per_token().items():
-        if x is not None:
-            ok = ~torch.isinf(x) if name == "sampling_per_token_logps" else torch.isfinite(x)  # NaN = unscored token
-            faults.add(~(ok | ~active).all(), non_finite(name))
+    flags = [~((mask == 0) | (mask == 1)).all(), out_of_range.any(), ~torch.isfinite(adv).all()]
+    for x, nan_ok in zip(per_token, nan_allowed, strict=True):
+        ok = ~torch.isinf(x) if nan_ok else torch.isfinite(x)
+        flags.append(~(ok | ~active).all())
     if is_ratio is not None:
         r = torch.where(active, is_ratio, 1.0) if is_ratio.shape == mask.shape else is_ratio
-        faults.add(~torch.isfinite(r).all(), non_finite("importance_sampling_ratio"))
-        faults.add((r < 0).any(), lambda _: ValueError("importance_sampling_ratio: negative value at an active "
-                                                         "position"))  # fmt: skip
-    return faults
+        flags += [~torch.isfinite(r).all(), (r < 0).any()]
+    return (*(f.long() for f in flags), first_where(ids.reshape(-1), out_of_range.reshape(-1)))
 
 
 def first_where(values, bad):
@@ -171,6 +199,10 @@ def first_where(values, bad):
 
 def non_finite(name: str):
     return lambda _: ValueError(f"{name}: non-finite value at an active position")
+
+
+# One graph per check and input layout, any batch shape
+COMPILED_CHECKS = {f: torch.compile(f, dynamic=True) for f in (value_flags, statistics_flags)}
 
 
 def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:

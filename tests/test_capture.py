@@ -5,6 +5,8 @@ uncaptured call and the float64 reference. The graph itself runs in tests/test_c
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from cases import TILES, assert_matches, make_inputs, run_reference
@@ -34,14 +36,14 @@ class ReplayOnTheStaticInputs(capture.Captures):
     def _capture(self, key, work, tensors):
         static = [t.clone() for t in tensors]
         with NoHostReads():
-            outputs = work(*static)
+            outputs = capture.StaticOutputs.of(work(*static))
 
         class Graph:
             @staticmethod
             def replay():
                 with NoHostReads():
-                    fresh = work(*static)
-                for out, new in zip(pytree_leaves(outputs), pytree_leaves(fresh), strict=True):
+                    fresh = capture.StaticOutputs.of(work(*static))
+                for out, new in zip(outputs.tensors(), fresh.tensors(), strict=True):
                     out.copy_(new)
 
         entry = self._keep(key, capture.Graph(Graph, static, outputs))
@@ -49,7 +51,7 @@ class ReplayOnTheStaticInputs(capture.Captures):
         return entry
 
     def pool_reserved(self) -> int:  # what the static buffers would hold
-        return sum(t.numel() * t.element_size() for e in self.graphs.values() for t in pytree_leaves(e.outputs))
+        return sum(t.numel() * t.element_size() for e in self.graphs.values() for t in e.outputs.tensors())
 
 
 POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
@@ -364,3 +366,99 @@ def test_the_primitives_graph_pool_has_the_losss_default_budget():
 
     default = inspect.signature(FusedLinearGRPOLoss).parameters["logits_budget_bytes"].default
     assert logprobs.PRIMITIVE_CAPTURES.pool_limit == default == 6 << 30
+
+
+def graph_names(captures) -> list:
+    """The name each kept graph's key starts with ("whole forward", "statistics", ...)."""
+    return sorted(k[0] if isinstance(k[0], str) else k[0][0] for k in captures.graphs)
+
+
+WHOLE_FORWARD_SETTINGS = [
+    ("memory", {"loss_type": "dapo", "entropy_coef": 0.01}, {"is_shape": "BT", "sampling": True}),
+    ("memory", {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04}, {"ref": True}),
+    ("memory", {"loss_type": "vespo"}, {"adv_shape": "BT"}),
+    ("sparse", {"loss_type": "bnpo"}, {"zero_advantage_rows": 1}),
+    ("sparse", {"loss_type": "dapo", "off_policy_mask_threshold": 0.5}, {"zero_advantage_rows": 2}),
+]
+
+
+@pytest.mark.parametrize("schedule, settings, inputs", WHOLE_FORWARD_SETTINGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_the_whole_forward_is_one_replay(schedule, settings, inputs, dtype, monkeypatch):
+    """Without an entropy threshold, a captured memory or sparse call's forward (gather, statistics, objective and
+    its gradients, metrics) is one graph and its backward the schedule's gradient pass: the reference's values in
+    float64, bitwise the same work run uncaptured in bf16, and two replays per call once captured."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    captured = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    captured.captures = ReplayOnTheStaticInputs()
+    plain = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    plain.captures = ReplayOnTheStaticInputs()
+    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    inputs = {"bias": True, **inputs}
+    mask = make_inputs(seed=130, **inputs)["completion_mask"]
+    model = Model(make_inputs(seed=130, dtype=dtype, **inputs))
+    for seed in range(4):
+        x = {**make_inputs(seed=130 + seed, dtype=dtype, **inputs), "completion_mask": mask}
+        out, grads = model.call(captured, x, num_items_in_batch=60 + seed)
+        if dtype == torch.float64:
+            ref, ref_grads = run_reference(x, settings, num_items_in_batch=60 + seed)
+            assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+        else:
+            same, same_grads = model.call(plain, x, num_items_in_batch=60 + seed)
+            assert torch.equal(out.loss, same.loss) and torch.equal(out.per_token_logps, same.per_token_logps)
+            assert all(torch.equal(out.metrics[k], same.metrics[k]) for k in same.metrics)
+            assert all(torch.equal(grads[k], same_grads[k]) for k in grads)
+    assert "whole forward" in graph_names(captured.captures)
+    assert "statistics" not in graph_names(captured.captures)
+    # the forward (and memory's gradient pass) in calls 2 to 4; the sparse rows' pass replays where its rows recur
+    assert captured.captures.replays == 6 if schedule == "memory" else captured.captures.replays >= 3
+
+
+def test_whole_forward_lengths_share_a_graph(monkeypatch):
+    """Completion lengths 37, 45 and 60 run the whole forward as length 128: one forward graph, replayed, whose
+    per-position outputs and dX come back at each call's length."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 256)
+    settings = {"loss_type": "grpo", "entropy_coef": 0.01}
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="memory", capture=True, **TILES, **settings)
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    model = Model(make_inputs(seed=140, bias=True))
+    for seed, T in enumerate((37, 45, 60, 37)):
+        x = make_inputs(seed=140 + seed, T=T, bias=True)
+        out, grads = model.call(loss_fn, x)
+        ref, ref_grads = run_reference(x, settings)
+        assert out.per_token_logps.shape == (3, T) and grads["hidden"].shape == x["hidden"].shape
+        assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+    assert graph_names(loss_fn.captures).count("whole forward") == 1
+
+
+def test_outputs_share_a_buffer_per_dtype():
+    """A graph's small outputs come out of one copy per dtype; large ones, each on its own."""
+    small = [torch.arange(3.0), torch.tensor(2.0), torch.ones(2, 2)]
+    large = torch.zeros(capture.PACKED_NUMEL + 1)
+    outputs = capture.StaticOutputs.of({"a": small[0], "b": (small[1], None, 7), "c": small[2], "d": large,
+                                        "e": torch.tensor([1, 2])})  # fmt: skip
+    assert [b.numel() for b in outputs.buffers] == [3 + 1 + 4, 2]
+    got = outputs.copied()
+    assert torch.equal(got["a"], small[0]) and torch.equal(got["b"][0], small[1]) and got["b"][1:] == (None, 7)
+    assert got["c"].shape == (2, 2) and torch.equal(got["c"], small[2]) and torch.equal(got["e"], torch.tensor([1, 2]))
+    assert got["d"] is not large and torch.equal(got["d"], large)
+    outputs.buffers[0].fill_(-1)  # a later replay writes the static buffers: earlier results stay as they were
+    assert torch.equal(got["a"], small[0])
+
+
+@pytest.mark.parametrize("context", [contextlib.nullcontext, torch.no_grad, torch.inference_mode],
+                         ids=["grad", "no_grad", "inference_mode"])  # fmt: skip
+def test_the_work_runs_in_one_mode_in_every_call(context):
+    """The warm-up, the capture and the replays run the work with grad mode off and outside inference mode,
+    whatever the caller's: a compiled tile guards on grad mode, and a recompile inside a capture breaks it."""
+    captures = ReplayOnTheStaticInputs()
+    modes = []
+
+    def work(t):
+        modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        return t * 2
+
+    for _ in range(3):
+        with context():
+            captures.run("k", work, [torch.ones(3, requires_grad=True)])
+    assert modes == [(False, False)] * 4  # warm-up, capture, and the replays re-running the work

@@ -78,7 +78,16 @@ def test_bad_inputs_name_the_argument():
     bad(x, "ref_hidden", ref_hidden=x["hidden"][:, :-1])
 
 
-def test_bad_values_at_active_positions():
+@pytest.fixture(params=["eager", "compiled"])
+def checks(request, monkeypatch):
+    """The value checks as eager reductions (a CPU's) or as the torch.compile graphs a GPU runs."""
+    from compiled_grpo import validation
+
+    monkeypatch.setattr(validation, "COMPILE_CHECKS_ON_CPU", request.param == "compiled")
+    return request.param
+
+
+def test_bad_values_at_active_positions(checks):
     x = make_inputs(dtype=torch.float32)
     m = x["completion_mask"].bool()
     ids = x["completion_ids"].clone()
@@ -108,7 +117,7 @@ def test_bad_values_at_active_positions():
 
 
 @pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
-def test_non_finite_hidden_or_weight_is_named(schedule):
+def test_non_finite_hidden_or_weight_is_named(schedule, checks):
     """NaN or inf in hidden (at an active position), weight or bias: an error naming it, never a NaN loss; at a
     masked position of hidden, anything goes."""
     x = make_inputs(dtype=torch.float32, bias=True)

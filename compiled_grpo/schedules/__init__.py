@@ -66,5 +66,5 @@ def without_speed(engine: Engine, objective):
     mask = objective.inputs.completion_mask
     zero = objective.zero_gradient_tokens()
     (active, *zeros), _ = tiling.positions_and_lengths((mask,) if zero is None else (mask, zero))
-    plan = tiling.plan_tokens(active, mask.numel(), engine.tiles.token_tile, engine.tiles.tail_tile)
+    plan = tiling.plan_tokens(active, mask.numel(), engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
     return (sparse if zeros and zeros[0].numel() else memory), plan

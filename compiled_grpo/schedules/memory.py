@@ -11,6 +11,7 @@ backward: each vocabulary slice against every token tile (`passes.vocab_outer_gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ..head import Head
 from ..sequence_parallel import GatheredPositions
 from ..streaming import RowGradients
 from ..tiling import TilePlan
-from . import passes
+from . import passes, whole_forward
 from .passes import Engine, Slots, Wanted
 
 NAME = "memory"
@@ -41,6 +42,8 @@ class Recompute:
     template: Head  # the head without its weight and bias (autograd saves those)
     extras: bool = False  # the forward also returns TRL's other per-token fields (no gradient), from the same pass
     active_rows: int = 0  # slots that hold a token (the others are padding)
+    # (setup, x, head, RowGradients, Wanted) -> (dX [slots, H], dW, db): the schedule's gradient pass
+    gradients: Callable | None = None
 
     def head(self, weight, bias) -> Head:
         return self.template._replace(weight=weight, bias=bias)
@@ -65,19 +68,24 @@ class StatisticsThenRecompute(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy, *_extras):
         x, weight, bias, lse, entropy = ctx.saved_tensors
         s = ctx.setup
-        head = s.head(weight, bias)
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
         rows = RowGradients(streaming.compared_ids(s.targets), lse, entropy, g_logp, g_entropy)
         wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        dx, dw, db = passes.captured_vocab_outer_gradients(s.engine, x, rows, head, s.tiles, wanted)
+        dx, dw, db = s.gradients(s, x, s.head(weight, bias), rows, wanted)
         return dx, dw, db, None
+
+    @staticmethod
+    def gradients(setup: Recompute, x, head: Head, rows: RowGradients, wanted: Wanted):
+        """dX [slots, H], dW and db of every slot, vocabulary-outer (captured where the engine captures calls)."""
+        return passes.captured_vocab_outer_gradients(setup.engine, x, rows, head, setup.tiles, wanted)
 
 
 def statistics_with_recompute(function, engine: Engine, slots: Slots, head: Head, extras: bool = False):
     """(logp, entropy) per slot (with `extras`, and the three extra fields) through `function`, an autograd
     Function of this module's form."""
     template = head._replace(weight=None, bias=None)
-    setup = Recompute(engine, slots.targets, slots.plan.tiles, template, extras, slots.plan.active.numel())
+    setup = Recompute(engine, slots.targets, slots.plan.tiles, template, extras, slots.plan.active.numel(),
+                      function.gradients)  # fmt: skip
     return function.apply(slots.x, head.weight, head.bias, setup)
 
 
@@ -99,7 +107,10 @@ def run(engine: Engine, objective: Objective, head: Head, plan: TilePlan):
 
 def statistics_then_objective(function, engine: Engine, objective: Objective, head: Head, plan: TilePlan):
     """The loss of the batch: statistics of every active token, the objective on [B,T] (the entropy threshold
-    included), gradients by `function`'s backward."""
+    included), gradients by `function`'s backward; where calls are captured, the forward as one replay
+    (`whole_forward`)."""
+    if whole_forward.applies(engine, objective, head):
+        return whole_forward.run(function, engine, objective, head, plan)
     inputs = objective.inputs
     shape = inputs.completion_mask.shape
     logp, entropy = stream_statistics(function, engine, inputs, plan, head)

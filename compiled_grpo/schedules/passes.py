@@ -64,6 +64,12 @@ def compiles_objective(engine: Engine, hidden) -> bool:
 COMPILE_OBJECTIVE_ON_CPU = False  # tests set it to check the compiled objective where no GPU is
 
 
+def differentiable(hidden, head: Head) -> bool:
+    """Whether the loss is to carry gradients: grad mode on and some lm_head input requiring them."""
+    tensors = (hidden, head.weight, head.bias)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def gather_slots(hidden, ids, plan: TilePlan, vocab_start: int = 0, rows=None) -> Slots:
     """`rows`: for packed hidden states [rows, H], the row of each [B * T] position (`LossInputs.hidden_rows`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])

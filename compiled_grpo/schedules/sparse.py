@@ -71,20 +71,16 @@ class StatisticsThenSparseGradients(StatisticsThenRecompute):
     """The memory schedule's forward; a backward over the rows with a non-zero upstream gradient only."""
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy, *_extras):
-        x, weight, bias, lse, entropy = ctx.saved_tensors
-        s = ctx.setup
-        head = s.head(weight, bias)
-        wanted = Wanted(ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
-        selected, entropy_has_gradient = rows_with_gradient(g_logp, g_entropy)
-        g_entropy = g_entropy if entropy_has_gradient else None  # all zero: no entropy term in the tiles
-        per_slot = RowGradients(streaming.compared_ids(s.targets), lse, entropy, g_logp, g_entropy)
-        if selected.numel() == s.active_rows and not token_outer(s.engine, x, selected.numel()):
+    def gradients(setup: memory.Recompute, x, head: Head, rows: RowGradients, wanted: Wanted):
+        """dX [slots, H], dW and db from the slots whose upstream gradients are not both 0."""
+        selected, entropy_has_gradient = rows_with_gradient(rows.g_logp, rows.g_entropy)
+        if not entropy_has_gradient:  # all zero: no entropy term in the tiles
+            rows = rows._replace(g_entropy=None)
+        if selected.numel() == setup.active_rows and not token_outer(setup.engine, x, selected.numel()):
             # every token has a gradient: the memory schedule's pass over the forward's slots (no compaction)
-            return *passes.captured_vocab_outer_gradients(s.engine, x, per_slot, head, s.tiles, wanted), None
-        rows_plan, dx, dw, db = gradients_of_rows(s.engine, x, head, selected, wanted, per_slot)
-        return tiling.from_slots(dx, rows_plan, x.shape[0]), dw, db, None
+            return passes.captured_vocab_outer_gradients(setup.engine, x, rows, head, setup.tiles, wanted)
+        rows_plan, dx, dw, db = gradients_of_rows(setup.engine, x, head, selected, wanted, rows)
+        return tiling.from_slots(dx, rows_plan, x.shape[0]), dw, db
 
 
 def rows_with_gradient(g_logp, g_entropy):

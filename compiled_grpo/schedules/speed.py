@@ -140,7 +140,7 @@ def tile_gradients(objective: Objective, flat: FlatStatistics, norms, plan: Tile
 def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
     inputs = objective.inputs
     hidden = inputs.hidden
-    if not differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
+    if not passes.differentiable(hidden, head):  # no_grad, inference_mode, or nothing requires grad: statistics only
         return statistics_run(engine, objective, head, plan)
     wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
     call = GradientCall(wanted, hidden.requires_grad, passes.compiles_objective(engine, hidden))
@@ -263,12 +263,6 @@ def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, 
     if padded:
         logp, entropy, d_hidden = (capture.unpad(t, T) if t is not None else None for t in (logp, entropy, d_hidden))
     return loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias)
-
-
-def differentiable(hidden, head: Head) -> bool:
-    """Whether the loss is to carry gradients: grad mode on and some lm_head input requiring them."""
-    tensors = (hidden, head.weight, head.bias)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def scatter_rows(dx, plan: TilePlan, hidden, rows=None):
