@@ -6,14 +6,12 @@ run.
 
 Per method: the median time per call (synchronized), and the host's time to issue its forward and its backward
 (each returns before the GPU has finished; the forward's plan waits for the GPU once, which starts each call
-idle), in ms. "eager value checks": the value checks as the eager reductions a CPU runs instead of their
-compiled graphs; "validate=False": no value checks.
+idle), in ms. "validate=False": no value checks.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_grpo import FusedLinearGRPOLoss, validation
+from compiled_grpo import FusedLinearGRPOLoss
 
 TOKENS, VOCAB = 8192, 151936
 
@@ -62,7 +60,6 @@ METHODS = {  # name: (schedule, options)
     "speed, captured": ("speed", {"capture": True}),
     "memory": ("memory", {}),
     "memory, captured": ("memory", {"capture": True}),
-    "memory, captured, eager value checks": ("memory", {"capture": True}),
     "memory, captured, validate=False": ("memory", {"capture": True, "validate": False}),
 }
 
@@ -84,23 +81,10 @@ def run(H: int, repeats: int) -> dict:
             return loss_fn(hidden.detach().requires_grad_(), weight, ids, mask, advantages,
                            old_per_token_logps=old).loss  # fmt: skip
 
-        with eager_value_checks(name.endswith("eager value checks")):
-            rows[name] = timed(forward, repeats)
+        rows[name] = timed(forward, repeats)
         if loss_fn.captures is not None:
             rows[name] += (loss_fn.captures.replays,)
     return rows
-
-
-@contextlib.contextmanager
-def eager_value_checks(on: bool):
-    """The value checks as eager reductions (a CPU's) instead of their compiled graphs, while `on`."""
-    original = validation.compiled_checks
-    if on:
-        validation.compiled_checks = lambda flags, like: flags
-    try:
-        yield
-    finally:
-        validation.compiled_checks = original
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +115,7 @@ class Captures:
         self.stopped = False
         self.said: set = set()
         self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
+        self.replays_of: Counter = Counter()  # the same, per graph name (`key_name`)
         self.failures: list[str] = []  # why captures failed (their keys then run uncaptured)
 
     def applies_to(self, tensor) -> Captures | None:
@@ -134,6 +135,18 @@ class Captures:
         with torch.inference_mode(False), torch.no_grad():
             return self._run(key, work, tensors)
 
+    def run_with_absent(self, key, work, tensors):
+        """`run` of `work(*tensors)` where some of `tensors` may be None: those stay out of the graph's inputs, and
+        the key gets where they are and the present ones' shapes."""
+        present = [t for t in tensors if t is not None]
+        layout = tuple(t is None for t in tensors)
+
+        def on_static(*static):
+            it = iter(static)
+            return work(*(None if absent else next(it) for absent in layout))
+
+        return self.run((key, layout, signature(present)), on_static, present)
+
     def _run(self, key, work, tensors: list):
         if self.stopped:  # the pool outgrew its budget (`_measure_pool`)
             return work(*tensors)
@@ -151,6 +164,7 @@ class Captures:
                 static.copy_(given)
             entry.graph.replay()
             self.replays += 1
+            self.replays_of[key_name(key)] += 1
         if entry.graph is None or self.stopped:  # failed, or dropped with the pool just now
             return work(*tensors)
         return entry.outputs.copied()
@@ -203,6 +217,14 @@ class Captures:
         if message not in self.said:
             self.said.add(message)
             warnings.warn(f"compiled_grpo: {message}", CaptureNotice, stacklevel=3)
+
+
+def key_name(key) -> str:
+    """The name a key starts with ("whole forward", "statistics", "value checks", ...), however deeply it is
+    wrapped (`Captures.run_with_absent`, `passes.captured_pass`)."""
+    while isinstance(key, tuple) and key:
+        key = key[0]
+    return key if isinstance(key, str) else repr(key)
 
 
 def head_key(head) -> tuple:

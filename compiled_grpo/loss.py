@@ -186,11 +186,11 @@ class FusedLinearGRPOLoss:
         return GRPOLossOutput(out.loss, out.metrics, *packed, schedule=out.schedule)
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
-        inputs, value_faults = self._checked(inputs)
-        tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
         if captures is not None:  # the graphs' pool counts against the workspace budget (`capture.Captures`)
             captures.pool_limit = self.logits_budget_bytes
+        inputs, value_faults = self._checked(inputs, captures)
+        tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config, self.round_logits)
@@ -205,12 +205,12 @@ class FusedLinearGRPOLoss:
         value_faults.raise_first()
         out = GRPOLossOutput(*schedule.run(engine, objective, head, plan), schedule=schedule.NAME)
         if self.validate:
-            self._check_statistics(inputs, out)
+            self._check_statistics(inputs, out, captures)
         return out
 
-    def _checked(self, inputs: LossInputs) -> tuple[LossInputs, Faults]:
-        """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started;
-        DTensor weights gathered."""
+    def _checked(self, inputs: LossInputs, captures: Captures | None) -> tuple[LossInputs, Faults]:
+        """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started
+        (with `captures`, computed by a CUDA graph replay); DTensor weights gathered."""
         validation.check_shapes(inputs)
         no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
         if self.config.beta != 0.0 and no_reference:
@@ -221,14 +221,15 @@ class FusedLinearGRPOLoss:
         vocab = inputs.weight.shape[0]
         if self.vocab_group is not distributed.LOCAL:
             vocab = int(distributed.all_sum(torch.tensor(vocab, device=inputs.weight.device), self.vocab_group))
-        return inputs, validation.value_faults(inputs, vocab).issue()
+        return inputs, validation.value_faults(inputs, vocab, captures).issue()
 
-    def _check_statistics(self, inputs: LossInputs, out: GRPOLossOutput) -> None:
+    def _check_statistics(self, inputs: LossInputs, out: GRPOLossOutput, captures: Captures | None) -> None:
         """Finite statistics at active positions: now on a CPU; on a GPU read at the next call or by `check()`."""
         later = faults.deferred(inputs.hidden.device)
         active = inputs.completion_mask.bool()
         found = validation.statistics_faults(active, out.per_token_logps, out.entropy, inputs.hidden, inputs.weight,
-                                             inputs.bias, rows=inputs.hidden_rows, later=later)  # fmt: skip
+                                             inputs.bias, rows=inputs.hidden_rows, later=later,
+                                             captures=captures)  # fmt: skip
         self.deferred.keep(found) if later else found.settle()
 
     def check(self) -> None:

@@ -8,6 +8,7 @@ can be turned off with `validate=False`.
 from __future__ import annotations
 
 import difflib
+import functools
 import weakref
 
 import torch
@@ -94,14 +95,15 @@ TENSOR_INPUTS = ("weight", "bias", "completion_ids", "completion_mask", "advanta
                  "importance_sampling_ratio", "ref_hidden", "ref_weight", "ref_bias")  # fmt: skip
 
 
-def statistics_faults(active, logp, entropy, hidden, weight, bias, *, rows=None, later: bool = False) -> Faults:
+def statistics_faults(active, logp, entropy, hidden, weight, bias, *, rows=None, later=False, captures=None) -> Faults:
     """After the statistics pass: a non-finite log-prob or entropy at an `active` position comes from a NaN or an
     infinity in hidden (at an active position), weight or bias, which the error names, or from logits that
     overflowed. Two flags on the device (a reduction over the positions and one over hidden's active rows); weight
     and bias, whose reading costs a pass over the lm_head, are read only when a fault is raised, if still alive.
-    `rows`: a packed call's hidden row of each position. `later`: raised after the call (`faults.Deferred`)."""
-    flags = compiled_checks(statistics_flags, active)
-    bad_hidden, bad_stats = flags(active, logp.detach(), entropy.detach(), hidden.detach(), rows)
+    `rows`: a packed call's hidden row of each position. `later`: raised after the call (`faults.Deferred`).
+    `captures`: the flags as a CUDA graph replay (`checked`)."""
+    tensors = (active, logp.detach(), entropy.detach(), hidden.detach(), rows)
+    bad_hidden, bad_stats = checked(captures, ("statistics checks",), statistics_flags, tensors)
     when = " (found after an earlier call, whose results are not valid)" if later else ""
     faults = Faults()
     faults.add(
@@ -125,15 +127,6 @@ def statistics_flags(active, logp, entropy, hidden, rows):
     return (bad_stats & bad_hidden).long(), bad_stats.long()
 
 
-def compiled_checks(flags, like: torch.Tensor):
-    """`flags` as one torch.compile graph on a GPU (its ~25-45 small reductions become a kernel or two: host time
-    in a step bound by the host's launch rate), as it is elsewhere (a CPU has no launches to save)."""
-    return COMPILED_CHECKS[flags] if like.is_cuda or COMPILE_CHECKS_ON_CPU else flags
-
-
-COMPILE_CHECKS_ON_CPU = False  # tests set it to run the compiled checks where no GPU is
-
-
 def non_finite_head(head, when: str) -> ValueError:
     """The error for non-finite statistics with finite hidden states: weight or bias if either holds a NaN or an
     infinity (read now, if the tensor is still alive), else the logits overflowed."""
@@ -149,15 +142,26 @@ def non_finite_head(head, when: str) -> ValueError:
                       f"finite{when}{unchecked}")  # fmt: skip
 
 
-def value_faults(inputs, vocab: int) -> Faults:
-    """Checks of the values at active positions, as device flags; `vocab` is the whole vocabulary's size."""
+def checked(captures, key, flags, tensors: tuple):
+    """flags(*tensors): where calls are captured (`capture.Captures`), one CUDA graph replay per input layout in
+    place of the ~25-45 small reductions of a check, whose launches are host time in a step bound by the host's
+    launch rate; else as it is."""
+    if captures is None:
+        return flags(*tensors)
+    return captures.run_with_absent(key, flags, tensors)
+
+
+def value_faults(inputs, vocab: int, captures=None) -> Faults:
+    """Checks of the values at active positions, as device flags; `vocab` is the whole vocabulary's size.
+    `captures`: the flags as a CUDA graph replay (`checked`)."""
     ids, mask = inputs.completion_ids, inputs.completion_mask
     present = {name: x for name, x in inputs.per_token().items() if x is not None}
     # a NaN sampling log-prob marks a token vLLM did not score: only infinities are faults there
     nan_allowed = tuple(name == "sampling_per_token_logps" for name in present)
     is_ratio = inputs.importance_sampling_ratio
-    flags = compiled_checks(value_flags, ids)(ids, mask, inputs.advantages, tuple(present.values()), nan_allowed,
-                                              is_ratio, vocab)  # fmt: skip
+    flags = functools.partial(value_flags, nan_allowed, vocab)
+    key = ("value checks", nan_allowed, vocab)
+    flags = checked(captures, key, flags, (ids, mask, inputs.advantages, is_ratio, *present.values()))
     flags, first_bad = flags[:-1], flags[-1]
     errors = [
         lambda _: ValueError("completion_mask: values must be 0 or 1"),
@@ -174,7 +178,7 @@ def value_faults(inputs, vocab: int) -> Faults:
     return faults
 
 
-def value_flags(ids, mask, advantages, per_token: tuple, nan_allowed: tuple, is_ratio, vocab: int) -> tuple:
+def value_flags(nan_allowed: tuple, vocab: int, ids, mask, advantages, is_ratio, *per_token) -> tuple:
     """The flags of `value_faults` in its order (int64 0-d, non-zero for a fault), then the first id out of range
     (None without ids)."""
     active = mask != 0
@@ -199,10 +203,6 @@ def first_where(values, bad):
 
 def non_finite(name: str):
     return lambda _: ValueError(f"{name}: non-finite value at an active position")
-
-
-# One graph per check and input layout, any batch shape
-COMPILED_CHECKS = {f: torch.compile(f, dynamic=True) for f in (value_flags, statistics_flags)}
 
 
 def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:

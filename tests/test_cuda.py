@@ -263,7 +263,7 @@ def test_captured_speed_schedule_on_gpu():
     """capture=True: the speed schedule's work as CUDA graph replays."""
     captures = captured_against_uncaptured_on_gpu("speed", {"loss_type": "dapo", "entropy_coef": 0.01, "beta": 0.04},
                                                   8, ref=True)  # fmt: skip
-    assert captures.replays == 3
+    assert captures.replays_of["speed"] == 3
 
 
 @pytest.mark.parametrize(
@@ -274,9 +274,12 @@ def test_captured_speed_schedule_on_gpu():
     ],
 )
 def test_captured_memory_and_sparse_passes_on_gpu(schedule, settings):
-    """capture=True on the memory and sparse schedules: their statistics and gradient passes as replays (each
-    pass's key: a warm-up, then a capture and a replay, then two replays)."""
-    assert captured_against_uncaptured_on_gpu(schedule, settings, 12).replays == 6
+    """capture=True on the memory and sparse schedules: their forward (whole, or the statistics pass with an
+    entropy threshold), their gradient pass and the value checks as replays (each graph: a warm-up, then a
+    capture and a replay, then two replays)."""
+    replays = captured_against_uncaptured_on_gpu(schedule, settings, 12).replays_of
+    forward = "statistics" if "top_entropy_quantile" in settings else "whole forward"
+    assert replays[forward] == replays["value checks"] == replays["statistics checks"] == 3, replays
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["uncaptured", "captured"])

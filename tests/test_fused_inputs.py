@@ -50,10 +50,18 @@ def test_speed_with_entropy_quantile_says_why():
         FusedLinearGRPOLoss(schedule="speed", top_entropy_quantile=0.2)
 
 
+SHARED = {"captures": None}  # captures every call of a test shares (the `checks` fixture's captured case)
+
+
 def call(x, settings=None, schedule="auto", **overrides):
     x = {**x, **overrides}
     args = [x.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
-    return FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **(settings or {}))(*args, **x)
+    captures = SHARED["captures"]
+    fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=captures is not None, **TILES,
+                             **(settings or {}))  # fmt: skip
+    if captures is not None:
+        fn.captures = captures
+    return fn(*args, **x)
 
 
 def bad(x, name, settings=None, schedule="auto", **overrides):
@@ -78,13 +86,18 @@ def test_bad_inputs_name_the_argument():
     bad(x, "ref_hidden", ref_hidden=x["hidden"][:, :-1])
 
 
-@pytest.fixture(params=["eager", "compiled"])
+@pytest.fixture(params=["eager", "captured"])
 def checks(request, monkeypatch):
-    """The value checks as eager reductions (a CPU's) or as the torch.compile graphs a GPU runs."""
-    from compiled_grpo import validation
+    """The value checks as eager reductions, or as replays (capture=True on a GPU): a stand-in for the CUDA
+    graphs, shared by the calls of the test so that a layout's first call warms up and the later ones replay."""
+    captures = None
+    if request.param == "captured":
+        from test_capture import ReplayOnTheStaticInputs
 
-    monkeypatch.setattr(validation, "COMPILE_CHECKS_ON_CPU", request.param == "compiled")
-    return request.param
+        captures = ReplayOnTheStaticInputs()
+    monkeypatch.setitem(SHARED, "captures", captures)
+    yield captures
+    assert captures is None or captures.replays > 0
 
 
 def test_bad_values_at_active_positions(checks):

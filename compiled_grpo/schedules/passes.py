@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed, streaming, tiling
-from ..capture import Captures, head_key, signature
+from ..capture import Captures, head_key
 from ..head import Head, VocabShard, make_head
 from ..kernels import Kernels
 from ..streaming import RowGradients
@@ -99,18 +99,10 @@ def captured_pass(engine: Engine, key, work, tensors: tuple):
     """`work(*tensors)` as a CUDA graph replay where the engine captures calls (`capture.Captures`: CUDA tensors,
     the whole vocabulary on this rank), else as it is. `tensors`: everything the work reads besides the lm_head
     weight and bias (read in place: `head_key` puts their addresses in the key), None where absent."""
-    captures, present = engine.captures, [t for t in tensors if t is not None]
-    if captures is None or engine.shard.parallel:  # the shards' statistics are combined inside the pass
+    if engine.captures is None or engine.shard.parallel:  # the shards' statistics are combined inside the pass
         return work(*tensors)
-    layout = tuple(t is None for t in tensors)
-
-    def on_static(*static):
-        it = iter(static)
-        return work(*(None if absent else next(it) for absent in layout))
-
-    full_key = (key, layout, signature(present), engine.tiles, engine.kernels.compiled)
     with torch.no_grad():
-        return captures.run(full_key, on_static, present)
+        return engine.captures.run_with_absent((key, engine.tiles, engine.kernels.compiled), work, tensors)
 
 
 def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool = False):
