@@ -335,6 +335,16 @@ def padded_length(T: int) -> int:
     return -(-T // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
+def checks_captures(captures: Captures | None, inputs) -> Captures | None:
+    """The captures of a call's value checks: those of the call where its completion length is already a bucket's
+    (a multiple of `LENGTH_BUCKET`, as a run's longest completion at max_completion_length = 1024 is), else
+    None (eager checks). The checks read the call's [B, T] inputs as they are: at other lengths a graph per length
+    would crowd the passes' graphs out of the kept ones, each capture a wait on the GPU."""
+    if captures is None or inputs.packed or inputs.completion_mask.shape[1] % LENGTH_BUCKET:
+        return None
+    return captures
+
+
 def pad_call(objective, plan, length: int):
     """(objective, plan) of the same call laid out with `length` >= T positions per row: the [B, T] inputs and
     hidden [B, T, H] padded (masked positions, whose values the loss ignores; an IS ratio of 1), and each tile

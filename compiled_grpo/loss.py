@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, faults, schedules, sequence_parallel, validation
+from . import capture, distributed, faults, schedules, sequence_parallel, validation
 from .batch_objective import Objective, Step
 from .capture import Captures
 from .config import SETTING_NAMES, GRPOLossConfig
@@ -189,7 +189,8 @@ class FusedLinearGRPOLoss:
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
         if captures is not None:  # the graphs' pool counts against the workspace budget (`capture.Captures`)
             captures.pool_limit = self.logits_budget_bytes
-        inputs, value_faults = self._checked(inputs, captures)
+        checks = capture.checks_captures(captures, inputs)
+        inputs, value_faults = self._checked(inputs, checks)
         tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
@@ -205,7 +206,7 @@ class FusedLinearGRPOLoss:
         value_faults.raise_first()
         out = GRPOLossOutput(*schedule.run(engine, objective, head, plan), schedule=schedule.NAME)
         if self.validate:
-            self._check_statistics(inputs, out, captures)
+            self._check_statistics(inputs, out, checks)
         return out
 
     def _checked(self, inputs: LossInputs, captures: Captures | None) -> tuple[LossInputs, Faults]:

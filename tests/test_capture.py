@@ -464,3 +464,20 @@ def test_the_work_runs_in_one_mode_in_every_call(context):
         with context():
             captures.run("k", work, [torch.ones(3, requires_grad=True)])
     assert modes == [(False, False)] * 4  # warm-up, capture, and the replays re-running the work
+
+
+def test_checks_are_captured_at_bucket_lengths_only(monkeypatch):
+    """The value and statistics checks replay where the completion length is a multiple of the length bucket;
+    at other lengths (a graph per length would crowd out the passes' graphs) they run as they are."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    for T, captured in ((37, False), (capture.LENGTH_BUCKET, True)):
+        loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="memory", capture=True, **TILES)
+        loss_fn.captures = ReplayOnTheStaticInputs()
+        x = make_inputs(seed=150, T=T, bias=True)
+        model = Model(x)
+        for _ in range(3):
+            out, grads = model.call(loss_fn, x)
+        ref, ref_grads = run_reference(x, {})
+        assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+        names = graph_names(loss_fn.captures)
+        assert ("value checks" in names) == ("statistics checks" in names) == captured, (T, names)

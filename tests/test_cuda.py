@@ -217,7 +217,7 @@ def test_constant_inputs_and_a_second_backward_on_gpu(schedule):
     assert_matches(out, {"hidden": h.grad / 2, "weight": w.grad / 2}, ref, ref_grads, rtol=1e-4)
 
 
-def captured_against_uncaptured_on_gpu(schedule, settings, seed, **inputs):
+def captured_against_uncaptured_on_gpu(schedule, settings, seed, T=300, **inputs):
     """Four calls on one lm_head (as in training) through a captured loss and through the same loss with its
     captured work run directly (same bucketed layout): bitwise equal, and the captured one equal to the reference
     in float32. Returns the captured loss's Captures."""
@@ -227,7 +227,7 @@ def captured_against_uncaptured_on_gpu(schedule, settings, seed, **inputs):
     plain = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
     plain.captures = capture.Captures(limit=0)
     plain.captures.run = lambda key, work, tensors: work(*tensors)
-    make = lambda s: on_cuda(make_inputs(seed=s, B=4, T=300, H=256, V=32003, dtype=torch.float32, bias=True, **inputs))
+    make = lambda s: on_cuda(make_inputs(seed=s, B=4, T=T, H=256, V=32003, dtype=torch.float32, bias=True, **inputs))
     first = make(seed)
     weight, bias = first["weight"].clone().requires_grad_(), first["bias"].clone().requires_grad_()
     per_token = [k for k in ("old_per_token_logps", "ref_per_token_logps") if k in first]
@@ -275,9 +275,9 @@ def test_captured_speed_schedule_on_gpu():
 )
 def test_captured_memory_and_sparse_passes_on_gpu(schedule, settings):
     """capture=True on the memory and sparse schedules: their forward (whole, or the statistics pass with an
-    entropy threshold), their gradient pass and the value checks as replays (each graph: a warm-up, then a
-    capture and a replay, then two replays)."""
-    replays = captured_against_uncaptured_on_gpu(schedule, settings, 12).replays_of
+    entropy threshold), their gradient pass and (at a length that is a bucket's) the value checks as replays (each
+    graph: a warm-up, then a capture and a replay, then two replays)."""
+    replays = captured_against_uncaptured_on_gpu(schedule, settings, 12, T=256).replays_of
     forward = "statistics" if "top_entropy_quantile" in settings else "whole forward"
     assert replays[forward] == replays["value checks"] == replays["statistics checks"] == 3, replays
 
