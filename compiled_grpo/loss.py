@@ -105,7 +105,8 @@ class FusedLinearGRPOLoss:
         self.process_group = process_group
         self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
         self.kernels = Kernels(compiled)
-        # On a GPU, the schedules' tile loops as CUDA graph replays (`capture.Captures`); elsewhere, as without it
+        # On a GPU, the schedules' passes, the memory and sparse forward and the value checks as CUDA graph replays
+        # (`capture.Captures`); elsewhere, as without it
         self.captures = Captures() if capture else None
         self.deferred = Deferred()  # value checks of earlier calls not yet read (`check`)
         self.round_logits = round_logits
