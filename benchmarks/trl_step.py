@@ -90,6 +90,8 @@ TRAINERS = {  # name: (trainer, its options)
     # auto with captured calls (each schedule's passes as CUDA graph replays)
     "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
     "captured-unvalidated": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "validate": False}}),
+    # captured with a statistics pass of 512 rows at a time: half its [rows, V] float32 workspace in the graphs' pool
+    "captured-stats512": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 512}}),
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
@@ -107,6 +109,7 @@ LABELS = {
     "memory16k": "CompiledGRPOTrainer memory, 16384-entry vocabulary tiles",
     "captured": "CompiledGRPOTrainer auto, captured calls",
     "captured-unvalidated": "CompiledGRPOTrainer auto, captured calls, validate=False",
+    "captured-stats512": "CompiledGRPOTrainer auto, captured calls, 512-row statistics pass",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
@@ -282,8 +285,9 @@ def sweep(args) -> None:
             for method, measured in timed(steps, args.repeats, on_gpu, reset).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
-                if captures is not None:  # how many calls ran as graph replays, and what their pool reserves
+                if captures is not None:  # replays, the pool's reserve, and whether (and why) capture ended
                     row["replays"], row["pool_gib"] = captures.replays, captures.pool_bytes / 2**30
+                    row["capture_stopped"], row["capture_failures"] = captures.stopped, captures.failures[:4]
                 rows.append(with_measurement(row, measured))
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
