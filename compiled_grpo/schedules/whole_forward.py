@@ -8,9 +8,9 @@ launches are what the step waits on. The backward pushes the per-slot gradients 
 the schedule's own gradient pass, itself a replay (`memory.StatisticsThenRecompute.gradients`, the sparse one's).
 
 Applies where calls are captured (`capture.capturable`), the call is differentiable, and there is no entropy
-threshold: its quantile is taken over the active tokens, a set whose
-size only the host knows (the statistics-pass replay serves those calls). Values are bitwise those of the same
-work run uncaptured on the same layout (completion lengths bucketed as `capture.pad_call` says).
+threshold: its quantile is taken over the active tokens, a set whose size only the host knows (the statistics-pass
+replay serves those calls). Values are bitwise those of the same work run uncaptured on the same layout
+(completion lengths bucketed as `capture.pad_call` says).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def run(function, engine: Engine, objective, head: Head, plan: TilePlan):
     value, metrics, logp, entropy, per_slot = engine.captures.run(key, work, batch.tensors)
     template = head._replace(weight=None, bias=None)
     setup = memory.Recompute(engine, None, plan.tiles, template, active_rows=plan.active.numel(),
-                      gradients=function.gradients)  # fmt: skip
+                             gradients=function.gradients)  # fmt: skip
     loss = LossOfSlots.apply(value, inputs.hidden, head.weight, head.bias, per_slot, Backward(setup, plan, inputs))
     return loss, metrics, capture.unpad(logp, T), capture.unpad(entropy, T), None
 
