@@ -89,6 +89,16 @@ def pytree_leaves(tree):
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def captured_and_plain(schedule, settings):
+    """A captured loss (the stand-in graph) and one whose captured work runs directly, on the same bucketed layout."""
+    captured = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    captured.captures = ReplayOnTheStaticInputs()
+    plain = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    plain.captures = ReplayOnTheStaticInputs()
+    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    return captured, plain
+
+
 SETTINGS = [
     {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01},
     {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 1.5},
@@ -235,11 +245,7 @@ def test_memory_and_sparse_passes_replayed(schedule, settings, dtype, monkeypatc
     memory and sparse schedules as replays: the reference's values in float64, and bitwise the uncaptured
     call's in bf16 (same bucketed plan)."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
-    captured = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
-    captured.captures = ReplayOnTheStaticInputs()
-    plain = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
-    plain.captures = ReplayOnTheStaticInputs()
-    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    captured, plain = captured_and_plain(schedule, settings)
     inputs = {"bias": True, "ref": True, "zero_advantage_rows": 1}
     mask = make_inputs(seed=100, **inputs)["completion_mask"]
     model = Model(make_inputs(seed=100, dtype=dtype, **inputs))
@@ -389,11 +395,7 @@ def test_the_whole_forward_is_one_replay(schedule, settings, inputs, dtype, monk
     its gradients, metrics) is one graph and its backward the schedule's gradient pass: the reference's values in
     float64, bitwise the same work run uncaptured in bf16, and two replays per call once captured."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
-    captured = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
-    captured.captures = ReplayOnTheStaticInputs()
-    plain = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
-    plain.captures = ReplayOnTheStaticInputs()
-    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    captured, plain = captured_and_plain(schedule, settings)
     inputs = {"bias": True, **inputs}
     mask = make_inputs(seed=130, **inputs)["completion_mask"]
     model = Model(make_inputs(seed=130, dtype=dtype, **inputs))
