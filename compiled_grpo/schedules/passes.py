@@ -101,8 +101,7 @@ def captured_pass(engine: Engine, key, work, tensors: tuple):
     weight and bias (read in place: `head_key` puts their addresses in the key), None where absent."""
     if engine.captures is None or engine.shard.parallel:  # the shards' statistics are combined inside the pass
         return work(*tensors)
-    with torch.no_grad():
-        return engine.captures.run_with_absent((key, engine.tiles, engine.kernels.compiled), work, tensors)
+    return engine.captures.run_with_absent((key, engine.tiles, engine.kernels.compiled), work, tensors)  # no grad
 
 
 def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool = False):
