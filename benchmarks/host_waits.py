@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     report = {}
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, True, completion)
-        step = trl_step.trainer_step(trainer, inputs)
+        step = trl_step.trainer_step(trainer, [inputs])
         for _ in range(3):  # compiled, captured, warm
             step()
             model.zero_grad(set_to_none=True)

@@ -144,11 +144,11 @@ def main(argv=None):
     reset = lambda: model.zero_grad(set_to_none=True)
     q, zero_half = trl_step.BATCHES[args.batch]
     inputs = trl_step.micro_batch(vocab, device, args.size, zero_half, C=completion)
-    bound = with_backward_range(trl_step.bound_step(model, inputs))
+    bound = with_backward_range(trl_step.bound_step(model, [inputs]))
     results = {"bound": profile_method(bound, model, args.steps, reset)}
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, device == "cuda", completion)
-        step = with_backward_range(trl_step.trainer_step(trainer, inputs))
+        step = with_backward_range(trl_step.trainer_step(trainer, [inputs]))
         results[name] = profile_method(step, model, args.steps, reset)
         del trainer, step
         if device == "cuda":

@@ -6,7 +6,9 @@ hidden states and no lm_head.
 Models: Qwen2.5-0.5B, 1.5B and 7B shapes (V 151936) with random bf16 weights (nothing downloaded). Micro-batches
 of 8 or 16 completions of 1024 tokens after 64-token prompts, dapo, in four kinds: `dense` (random advantages),
 `q0.2` (top_entropy_quantile 0.2), `half0` (every other group of 4 completions at advantage 0, as groups whose
-rewards are all equal) and `both`.
+rewards are all equal), `both`, and `varied` (dense, but four micro-batches taking turns whose completions end at
+random lengths, the longest 1024, 819, 614 and 921 tokens: the layouts a training run meets, each padded to its
+longest completion as TRL pads them).
 
     python -m benchmarks.trl_step --model 0.5B [--batches dense,q0.2,half0,both] [--sizes 8,16]
         [--trainers grpo,auto,memory] [--repeats 5] [--out benchmark-results]
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import statistics
 import time
@@ -79,7 +82,9 @@ class WaitingGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
 
 
-BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True)}
+BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True),
+           "varied": (1.0, False)}  # fmt: skip
+VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
     "grpo-wait": (WaitingGRPOTrainer, None),
@@ -90,8 +95,10 @@ TRAINERS = {  # name: (trainer, its options)
     # auto with captured calls (each schedule's passes as CUDA graph replays)
     "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
     "captured-unvalidated": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "validate": False}}),
-    # captured with a statistics pass of 512 rows at a time: half its [rows, V] float32 workspace in the graphs' pool
+    # captured with a statistics pass of 512 (256) rows at a time: half (a quarter of) its [rows, V] float32 workspace
+    # in the graphs' pool
     "captured-stats512": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 512}}),
+    "captured-stats256": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256}}),
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
@@ -110,6 +117,7 @@ LABELS = {
     "captured": "CompiledGRPOTrainer auto, captured calls",
     "captured-unvalidated": "CompiledGRPOTrainer auto, captured calls, validate=False",
     "captured-stats512": "CompiledGRPOTrainer auto, captured calls, 512-row statistics pass",
+    "captured-stats256": "CompiledGRPOTrainer auto, captured calls, 256-row statistics pass",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
@@ -156,16 +164,35 @@ def micro_batch(vocab: int, device, B: int, zero_half: bool, P=64, C=1024, seed=
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def timed(steps: dict, rounds: int, on_gpu: bool, reset) -> dict:
-    """{name: (median ms, peak GiB above the memory in use before), or why not} of each `steps[name]()`, after two
-    warm-ups.
+def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
+    """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
+    completion a random length between half the batch's longest and it (one row at the longest)."""
+    q, zero_half = BATCHES[kind]
+    if kind != "varied":
+        return [micro_batch(vocab, device, B, zero_half, C=C)]
+    batches = []
+    for i, fraction in enumerate(VARIED_LONGEST):
+        longest = int(C * fraction)
+        inputs = micro_batch(vocab, device, B, zero_half, C=longest, seed=i)
+        g = torch.Generator().manual_seed(100 + i)
+        lengths = torch.randint(longest // 2, longest + 1, (B,), generator=g)
+        lengths[0] = longest
+        mask = (torch.arange(longest) < lengths[:, None]).long().to(device)
+        inputs["completion_mask"], inputs["num_items_in_batch"] = mask, mask.sum().float()
+        batches.append(inputs)
+    return batches
+
+
+def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> dict:
+    """{name: (median ms, peak GiB above the memory in use before), or why not} of each `steps[name]()`, after
+    `warmups` warm-ups.
     The steps take turns, one each per round in a rotating order, so that drift of the host's speed (the small
     models' steps are bound by it) reaches every method alike."""
     names, failed, held = [], {}, {}
     for name, step in steps.items():
         try:
             before = torch.cuda.memory_allocated() if on_gpu else 0
-            for _ in range(2):
+            for _ in range(warmups):
                 step()
                 reset()
             names.append(name)
@@ -223,11 +250,13 @@ def peak_of(step, on_gpu: bool, reset) -> float | None:
     return peak
 
 
-def trainer_step(t, inputs):
-    """`_compute_loss` + backward; then CompiledGRPOTrainer's metrics are read back as a log after every step
-    would (GRPOTrainer reads its own back inside `_compute_loss`)."""
+def trainer_step(t, batches: list):
+    """`_compute_loss` + backward on the next of `batches`; then CompiledGRPOTrainer's metrics are read back as a
+    log after every step would (GRPOTrainer reads its own back inside `_compute_loss`)."""
+    turns = itertools.cycle(batches)
 
     def step():
+        inputs = next(turns)
         with t.accelerator.autocast():
             loss = t._compute_loss(t.model, inputs)
         loss.backward()
@@ -236,14 +265,15 @@ def trainer_step(t, inputs):
     return step
 
 
-def bound_step(model, inputs):
-    """The backbone's forward and backward with a trivial loss on the completion positions' final hidden states."""
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    completion = inputs["completion_ids"].shape[1]
-    on_gpu = ids.is_cuda
+def bound_step(model, batches: list):
+    """The backbone's forward and backward with a trivial loss on the completion positions' final hidden states,
+    on the next of `batches`."""
+    joined = lambda b, name: torch.cat([b[f"prompt_{name}"], b[f"completion_{name}"]], 1)
+    turns = itertools.cycle([(joined(b, "ids"), joined(b, "mask"), b["completion_ids"].shape[1]) for b in batches])
 
     def step():
+        ids, mask, completion = next(turns)
+        on_gpu = ids.is_cuda
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=on_gpu):
             hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             hidden[:, -completion - 1 : -1].float().square().mean().backward()
@@ -275,14 +305,15 @@ def sweep(args) -> None:
     rows = []
     for size in map(int, args.sizes.split(",")):
         for kind in args.batches.split(","):
-            q, zero_half = BATCHES[kind]
-            inputs = micro_batch(vocab, device, size, zero_half, C=completion)
+            q, _ = BATCHES[kind]
+            batches = micro_batches(vocab, device, size, kind, C=completion)
             shape = f"{args.model} {kind} x{size}"
-            steps = {BOUND: bound_step(model, inputs)}
+            steps = {BOUND: bound_step(model, batches)}
             names = args.trainers.split(",")
             trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
-            steps.update({name: trainer_step(t, inputs) for name, t in trainers.items()})
-            for method, measured in timed(steps, args.repeats, on_gpu, reset).items():
+            steps.update({name: trainer_step(t, batches) for name, t in trainers.items()})
+            # every micro-batch twice before timing (a captured call's first two calls of a layout warm and capture)
+            for method, measured in timed(steps, args.repeats, on_gpu, reset, 2 * len(batches)).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
                 if captures is not None:  # replays, the pool's reserve, and whether (and why) capture ended

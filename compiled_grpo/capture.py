@@ -117,6 +117,8 @@ class Captures:
         self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
         self.replays_of: Counter = Counter()  # the same, per graph name (`key_name`)
         self.failures: list[str] = []  # why captures failed (their keys then run uncaptured)
+        self.capturing = False  # a graph is being captured (`shared_output`)
+        self.shared: dict = {}  # (shape, dtype, device) -> the output buffer every graph writes (`shared_output`)
 
     def applies_to(self, tensor) -> Captures | None:
         """These captures where a call on `tensor` can be captured (a GPU, or the stand-in's any device), else None:
@@ -134,6 +136,18 @@ class Captures:
         # compiled tile guards on it too)
         with torch.inference_mode(False), torch.no_grad():
             return self._run(key, work, tensors)
+
+    def shared_output(self, like: torch.Tensor) -> torch.Tensor | None:
+        """While a graph is being captured, the one buffer of `like`'s shape and dtype that every graph writes such an
+        output into (a gradient pass's dW, as large as the lm_head weight), else None (the work makes its own). Each
+        graph's own static dW would stay reserved in the pool, one per token layout; shared, the pool holds one.
+        Sound because graphs never run at the same time and a replay's outputs are copied out right after it."""
+        if not self.capturing:
+            return None
+        key = (tuple(like.shape), like.dtype, like.device)
+        if key not in self.shared:  # in the pool (made while capturing), kept alive here for every later graph
+            self.shared[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return self.shared[key]
 
     def run_with_absent(self, key, work, tensors):
         """`run` of `work(*tensors)` where some of `tensors` may be None: those stay out of the graph's inputs, and
@@ -174,11 +188,14 @@ class Captures:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
+            self.capturing = True
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = StaticOutputs.of(work(*static))
         except Exception as error:  # noqa: BLE001 - any failure: run this key uncaptured, say why once
             torch.cuda.synchronize()
             return self._failed(key, error)
+        finally:
+            self.capturing = False
         self.pool = graph.pool() if self.pool is None else self.pool
         entry = self._keep(key, Graph(graph, static, outputs))
         self._measure_pool()
@@ -193,6 +210,7 @@ class Captures:
             self.say(f"the CUDA graphs' memory pool ({self.pool_bytes / 2**30:.2f} GiB) exceeds the workspace budget "
                      f"({self.pool_limit / 2**30:.2f} GiB); calls run uncaptured")  # fmt: skip
             self.graphs.clear()
+            self.shared.clear()
             self.pool, self.stopped = None, True
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone

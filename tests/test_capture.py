@@ -35,14 +35,13 @@ class ReplayOnTheStaticInputs(capture.Captures):
 
     def _capture(self, key, work, tensors):
         static = [t.clone() for t in tensors]
-        with NoHostReads():
-            outputs = capture.StaticOutputs.of(work(*static))
+        outputs = capture.StaticOutputs.of(self._recorded(work, static))
+        captures = self
 
         class Graph:
             @staticmethod
-            def replay():
-                with NoHostReads():
-                    fresh = capture.StaticOutputs.of(work(*static))
+            def replay():  # a graph writes where it was captured writing: the shared outputs too
+                fresh = capture.StaticOutputs.of(captures._recorded(work, static))
                 for out, new in zip(outputs.tensors(), fresh.tensors(), strict=True):
                     out.copy_(new)
 
@@ -50,8 +49,17 @@ class ReplayOnTheStaticInputs(capture.Captures):
         self._measure_pool()
         return entry
 
-    def pool_reserved(self) -> int:  # what the static buffers would hold
-        return sum(t.numel() * t.element_size() for e in self.graphs.values() for t in e.outputs.tensors())
+    def _recorded(self, work, static):
+        self.capturing = True
+        try:
+            with NoHostReads():
+                return work(*static)
+        finally:
+            self.capturing = False
+
+    def pool_reserved(self) -> int:  # what the static buffers would hold, each once
+        tensors = {t.data_ptr(): t for e in self.graphs.values() for t in e.outputs.tensors()}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
@@ -362,6 +370,32 @@ def test_a_pool_past_the_budget_stops_capture():
     for i in range(3):
         roomy.run("key", work, [torch.full((8,), float(i))])
     assert roomy.replays == 2 and roomy.pool_bytes == 32
+
+
+@pytest.mark.parametrize("schedule", ["memory", "sparse", "speed"])
+def test_layouts_share_one_weight_gradient(schedule, monkeypatch):
+    """Two completion lengths taking turns: each length's gradient pass is its own graph, and every one writes dW
+    into one shared buffer, counted once in the pool; each call's gradients are still its own (the reference's)."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    monkeypatch.setattr(capture, "PACKED_NUMEL", 256)  # dW (of this small lm_head) as a large output, on its own
+    settings = {"loss_type": "dapo", "entropy_coef": 0.01}
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
+    loss_fn.captures = ReplayOnTheStaticInputs()
+    inputs = {"bias": True, "zero_advantage_rows": 1}
+    masks = {T: make_inputs(seed=150 + T, T=T, **inputs)["completion_mask"] for T in (37, 150)}
+    model = Model(make_inputs(seed=150, **inputs))
+    for seed in range(8):
+        T = (37, 150)[seed % 2]
+        x = {**make_inputs(seed=150 + seed, T=T, **inputs), "completion_mask": masks[T]}
+        out, grads = model.call(loss_fn, x)
+        ref, ref_grads = run_reference(x, settings)
+        assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
+    captures = loss_fn.captures
+    weight_sized = lambda e: [t for t in e.outputs.tensors() if t.shape == model.weight.shape]
+    writers = [e for e in captures.graphs.values() if weight_sized(e)]
+    assert len(writers) == 2 and len(captures.shared) == 1
+    assert all(weight_sized(e)[0] is next(iter(captures.shared.values())) for e in writers)
+    assert not any(t is model.weight.grad for e in writers for t in weight_sized(e))  # the grad is a copy
 
 
 def test_the_primitives_graph_pool_has_the_losss_default_budget():

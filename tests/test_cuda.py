@@ -217,23 +217,27 @@ def test_constant_inputs_and_a_second_backward_on_gpu(schedule):
     assert_matches(out, {"hidden": h.grad / 2, "weight": w.grad / 2}, ref, ref_grads, rtol=1e-4)
 
 
-def captured_against_uncaptured_on_gpu(schedule, settings, seed, T=300, **inputs):
-    """Four calls on one lm_head (as in training) through a captured loss and through the same loss with its
-    captured work run directly (same bucketed layout): bitwise equal, and the captured one equal to the reference
-    in float32. Returns the captured loss's Captures."""
+def captured_against_uncaptured_on_gpu(schedule, settings, seed, T=300, lengths=None, **inputs):
+    """Four calls per completion length (`lengths`, default (T,), taking turns) on one lm_head (as in training)
+    through a captured loss and through the same loss with its captured work run directly (same bucketed layout):
+    bitwise equal, and the captured one equal to the reference in float32. Returns the captured loss's Captures."""
     from compiled_grpo import capture
 
     captured = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
     plain = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
     plain.captures = capture.Captures(limit=0)
     plain.captures.run = lambda key, work, tensors: work(*tensors)
-    make = lambda s: on_cuda(make_inputs(seed=s, B=4, T=T, H=256, V=32003, dtype=torch.float32, bias=True, **inputs))
-    first = make(seed)
+    lengths = (T,) if lengths is None else lengths
+    make = lambda s, t: on_cuda(make_inputs(seed=s, B=4, T=t, H=256, V=32003, dtype=torch.float32, bias=True,
+                                            **inputs))  # fmt: skip
+    masks = {t: make(seed + 100 * j, t)["completion_mask"] for j, t in enumerate(lengths)}  # one layout per length
+    first = make(seed, lengths[0])
     weight, bias = first["weight"].clone().requires_grad_(), first["bias"].clone().requires_grad_()
     per_token = [k for k in ("old_per_token_logps", "ref_per_token_logps") if k in first]
-    for i in range(4):
-        x = make(seed + i)
-        x["completion_mask"], x["weight"], x["bias"] = first["completion_mask"], first["weight"], first["bias"]
+    for i in range(4 * len(lengths)):
+        t = lengths[i % len(lengths)]
+        x = make(seed + i, t)
+        x["completion_mask"], x["weight"], x["bias"] = masks[t], first["weight"], first["bias"]
         results = []
         for loss_fn in (captured, plain):
             weight.grad = bias.grad = None
@@ -280,6 +284,18 @@ def test_captured_memory_and_sparse_passes_on_gpu(schedule, settings):
     replays = captured_against_uncaptured_on_gpu(schedule, settings, 12, T=256).replays_of
     forward = "statistics" if "top_entropy_quantile" in settings else "whole forward"
     assert replays[forward] == replays["value checks"] == replays["statistics checks"] == 3, replays
+
+
+def test_captured_layouts_share_one_weight_gradient_on_gpu():
+    """Two completion lengths taking turns (two token layouts, so two graphs of each pass): every gradient pass
+    writes dW into one shared buffer, and each call's result, copied out right after its replay, is still its own
+    (bitwise the uncaptured work's)."""
+    from compiled_grpo import capture
+
+    captures = captured_against_uncaptured_on_gpu("memory", {"loss_type": "dapo"}, 20, lengths=(256, 640))
+    names = [capture.key_name(k) for k in captures.graphs]
+    assert names.count("vocabulary-outer gradients") == 2 and captures.replays_of["vocabulary-outer gradients"] == 6
+    assert len(captures.shared) == 1
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["uncaptured", "captured"])

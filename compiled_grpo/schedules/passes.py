@@ -126,6 +126,14 @@ def captured_vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: 
     return captured_pass(engine, key, work, (x, head.values, head.row_inv_temp, *rows))
 
 
+def weight_gradient_out(engine: Engine, head: Head, wanted: Wanted) -> torch.Tensor | None:
+    """Where dW is asked for while a pass is being captured, the buffer it is written into, shared by every graph
+    (`Captures.shared_output`); else None (the pass makes its own)."""
+    if engine.captures is None or not wanted.weight:
+        return None
+    return engine.captures.shared_output(head.weight)
+
+
 def statistics_pieces(engine: Engine, tiles) -> list[tuple[int, int]]:
     """(first slot, size) of the statistics pass's pieces: each tile cut into `stats_rows` slots at most."""
     rows = engine.tiles.stats_rows
@@ -143,11 +151,13 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
     token tile (no float32 [V, H] accumulator). dX ([slots, H], small) is summed over the slices in float32."""
     weight, bias = head.weight, head.bias
     dx = torch.empty(x.shape, dtype=streaming.stat_dtype(x), device=x.device)
+    dw = weight_gradient_out(engine, head, wanted)
+    if dw is None and wanted.weight:
+        dw = torch.empty_like(weight)
     if not tiles:  # nothing active: zero gradients
-        zeros = lambda t, need: torch.zeros_like(t) if need else None
-        return dx.zero_().to(x.dtype), zeros(weight, wanted.weight), zeros(bias, wanted.bias)
+        zero_bias = torch.zeros_like(bias) if wanted.bias else None
+        return dx.zero_().to(x.dtype), None if dw is None else dw.zero_(), zero_bias
     vocab_tile = engine.tiles.vocab_tile
-    dw = torch.empty_like(weight) if wanted.weight else None
     db = torch.empty_like(bias) if wanted.bias else None
     # made on the device (no wait), in the dtype of the row targets they offset
     offsets = torch.arange(0, weight.shape[0], vocab_tile, device=x.device, dtype=rows.targets.dtype)
@@ -217,9 +227,10 @@ class TokenOuterGradients:
         if self.wanted.bias:
             self.db += db_t
 
-    def result(self):
-        """(dX in x's dtype, dW in weight's dtype or None, db in float32 or None)."""
-        return self.dx, self._weight_gradient(), self.db
+    def result(self, dw_out=None):
+        """(dX in x's dtype, dW in weight's dtype or None, db in float32 or None); dW written into `dw_out` where
+        given (`weight_gradient_out`)."""
+        return self.dx, self._weight_gradient(dw_out), self.db
 
     def _rows_for(self, s: int, n: int) -> torch.Tensor:
         if self.buffered:
@@ -238,14 +249,16 @@ class TokenOuterGradients:
             self.added = True
         self.used = 0
 
-    def _weight_gradient(self) -> torch.Tensor | None:
+    def _weight_gradient(self, out) -> torch.Tensor | None:
         if not self.wanted.weight:
             return None
         if self.buffered:
-            return torch.mm(self.rows.T, self.x)
+            return torch.mm(self.rows.T, self.x, out=out)
         self._add_group()
         self.rows = None  # freed before the cast, which briefly holds the sum and its 16-bit copy
-        return self.sum.to(self.head.weight.dtype) if self.added else torch.zeros_like(self.head.weight)
+        if out is None:
+            return self.sum.to(self.head.weight.dtype) if self.added else torch.zeros_like(self.head.weight)
+        return out.copy_(self.sum) if self.added else out.zero_()
 
 
 def with_reference_logps(engine: Engine, inputs, cfg, rounded: bool = False):

@@ -136,7 +136,7 @@ def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: W
         product = streaming.gemm_product(x_r[s : s + n], head)
         grads.add(engine.kernels, s, product, RowGradients(*(None if v is None else v[s : s + n] for v in rows)))
         del product  # freed before the next tile's is made
-    dx, dw, db = grads.result()
+    dx, dw, db = grads.result(passes.weight_gradient_out(engine, head, wanted))
     distributed.all_sum_(dx, engine.shard.group)
     return dx, dw, None if db is None else db.to(head.bias.dtype)
 

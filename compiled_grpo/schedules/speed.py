@@ -212,7 +212,7 @@ def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedP
         g_logp, g_entropy = tile_gradients(objective, flat, norms, plan.gradient, (s, n), call.compile_objective)
         grads.add(engine.kernels, s, product, RowGradients(compared[s : s + n], lse, entropy, g_logp, g_entropy))
         del product  # freed before the next tile's is made
-    dx, dw, db = grads.result()
+    dx, dw, db = grads.result(passes.weight_gradient_out(engine, head, call.wanted))
     distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
     logp, entropy = flat.view(ids.shape)
     loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms, compiled=call.compile_objective)
