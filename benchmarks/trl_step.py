@@ -88,7 +88,8 @@ VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest com
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
     "grpo-wait": (WaitingGRPOTrainer, None),
-    "auto": (CompiledGRPOTrainer, {}),
+    "auto": (CompiledGRPOTrainer, {}),  # captured calls on a GPU (the trainer's default)
+    "uncaptured": (CompiledGRPOTrainer, {"loss_options": {"capture": False}}),
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
     "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
@@ -99,6 +100,8 @@ TRAINERS = {  # name: (trainer, its options)
     # in the graphs' pool
     "captured-stats512": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 512}}),
     "captured-stats256": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256}}),
+    # and with 4096-entry vocabulary slices in the gradient pass: half its [token_tile, vocab_tile] logits
+    "captured-small": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256, "vocab_tile": 4096}}),
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
@@ -106,11 +109,12 @@ TRAINERS = {  # name: (trainer, its options)
     "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
     "rounded-captured": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True, "capture": True}}),
 }
-DEFAULT_TRAINERS = "grpo,auto,memory,roomy"
+DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
-    "auto": "CompiledGRPOTrainer auto",
+    "auto": "CompiledGRPOTrainer auto (default: captured calls on a GPU)",
+    "uncaptured": "CompiledGRPOTrainer auto, uncaptured",
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
     "memory16k": "CompiledGRPOTrainer memory, 16384-entry vocabulary tiles",
@@ -118,6 +122,7 @@ LABELS = {
     "captured-unvalidated": "CompiledGRPOTrainer auto, captured calls, validate=False",
     "captured-stats512": "CompiledGRPOTrainer auto, captured calls, 512-row statistics pass",
     "captured-stats256": "CompiledGRPOTrainer auto, captured calls, 256-row statistics pass",
+    "captured-small": "CompiledGRPOTrainer auto, captured calls, 256-row statistics, 4096-entry vocabulary slices",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",

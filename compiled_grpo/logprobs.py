@@ -209,8 +209,8 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     valid = flat_targets != o.ignore_index
     group = distributed.LOCAL if o.vocab_parallel_group is None else o.vocab_parallel_group
     value_faults = value_checks(flat_targets, valid, weight, group, o.temperature) if o.validate else Faults()
-    tiles = Tiles.for_device(hidden.device, **o.tiles)
     captures = PRIMITIVE_CAPTURES.applies_to(hidden) if o.capture else None
+    tiles = Tiles.for_device(hidden.device, captures is not None, **o.tiles)
     engine = Engine(kernels(o.compiled), tiles, VocabShard(group, o.vocab_start), captures)
     plan = plan_mask(valid, engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
     # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host

@@ -192,7 +192,7 @@ class FusedLinearGRPOLoss:
             captures.pool_limit = self.logits_budget_bytes
         checks = capture.checks_captures(captures, inputs)
         inputs, value_faults = self._checked(inputs, checks)
-        tiles = Tiles.for_device(inputs.hidden.device, **self.tile_overrides)
+        tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
             inputs = passes.with_reference_logps(engine, inputs, self.config, self.round_logits)

@@ -133,7 +133,8 @@ def trainer_budget(loss: FusedLinearGRPOLoss, weight, device) -> int:
     head runs: what TRL's fused head holds in its backward (a float32 dW sum and a copy in the weight's dtype),
     and never less than the sparse pass's largest workspace (its peak, measured, stays under TRL's)."""
     trl_head = weight.numel() * (4 + weight.element_size())
-    return max(trl_head, sparse.workspace_bound(Tiles.for_device(device, **loss.tile_overrides), weight))
+    tiles = Tiles.for_device(device, loss.captures is not None, **loss.tile_overrides)
+    return max(trl_head, sparse.workspace_bound(tiles, weight))
 
 
 class CompiledGRPOTrainer(GRPOTrainer):
@@ -141,13 +142,16 @@ class CompiledGRPOTrainer(GRPOTrainer):
     from `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
     `logits_budget_bytes`...) are passed to `FusedLinearGRPOLoss`; everything else is TRL's. Unless
     `loss_options` sets it, the lm_head's workspace is bounded by what TRL's own head would hold
-    (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. Metrics are kept as tensors and read
-    back when logged: a step does not wait on the GPU for them."""
+    (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. On a GPU the loss's calls are
+    captured as CUDA graph replays (`capture`; `loss_options={"capture": False}` turns it off), their graphs'
+    memory pool inside that budget. Metrics are kept as tensors and read back when logged: a step does not wait on
+    the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
-        options = dict(loss_options or {})
+        # captured by default: at the model sizes most runs train, the step is bound by the host's launches
+        options = {"capture": True, **(loss_options or {})}
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
         if "logits_budget_bytes" not in options:
             weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
