@@ -190,6 +190,18 @@ def test_auto_keeps_the_head_within_what_trls_head_holds(tmp_path, monkeypatch):
     assert chosen[-1][:2] == ("speed", 1 << 30)
 
 
+def test_the_trainer_captures_small_heads_by_default(tmp_path):
+    """Captured calls unless loss_options says, up to hidden size 2048 (on a CPU the captures stand aside)."""
+    from compiled_grpo.integrations.trl import captures_by_default
+
+    model = tiny_model(dtype=torch.float32)
+    assert make_trainer(CompiledGRPOTrainer, tmp_path, model).fused_loss.captures is not None
+    off = make_trainer(CompiledGRPOTrainer, tmp_path, model, loss_options={"capture": False})
+    assert off.fused_loss.captures is None
+    assert captures_by_default(torch.empty(10, 2048, device="meta"))
+    assert not captures_by_default(torch.empty(10, 3584, device="meta"))
+
+
 def tiny_moe(seed=0):
     torch.manual_seed(seed)
     config = MixtralConfig(

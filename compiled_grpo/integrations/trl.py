@@ -137,24 +137,34 @@ def trainer_budget(loss: FusedLinearGRPOLoss, weight, device) -> int:
     return max(trl_head, sparse.workspace_bound(tiles, weight))
 
 
+# The largest lm_head hidden size whose calls the trainer captures by default. Up to it (0.5B-1.5B shapes, H 896 and
+# 1536) the step is bound by the host's launches and capture measured faster or level; at 7B (H 3584) the step is
+# bound by the GPU, capture gains nothing, and the speed schedule's graph outgrows the budget.
+CAPTURED_HIDDEN_SIZE = 2048
+
+
+def captures_by_default(weight) -> bool:
+    """Whether CompiledGRPOTrainer captures its loss's calls unless `loss_options` says (a GPU only, in effect)."""
+    return weight.shape[1] <= CAPTURED_HIDDEN_SIZE
+
+
 class CompiledGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come
     from `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
     `logits_budget_bytes`...) are passed to `FusedLinearGRPOLoss`; everything else is TRL's. Unless
     `loss_options` sets it, the lm_head's workspace is bounded by what TRL's own head would hold
-    (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. On a GPU the loss's calls are
-    captured as CUDA graph replays (`capture`; `loss_options={"capture": False}` turns it off), their graphs'
-    memory pool inside that budget. Metrics are kept as tensors and read back when logged: a step does not wait on
+    (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. On a GPU, up to hidden size 2048, the
+    loss's calls are captured as CUDA graph replays (`captures_by_default`; `loss_options={"capture": False}` turns
+    it off, `True` on at any size), their graphs' memory pool inside that budget. Metrics are kept as tensors and read back when logged: a step does not wait on
     the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
-        # captured by default: at the model sizes most runs train, the step is bound by the host's launches
-        options = {"capture": True, **(loss_options or {})}
+        weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
+        options = {"capture": captures_by_default(weight), **(loss_options or {})}
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
         if "logits_budget_bytes" not in options:
-            weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
             self.fused_loss.logits_budget_bytes = trainer_budget(self.fused_loss, weight, self.accelerator.device)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
