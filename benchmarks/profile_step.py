@@ -80,9 +80,9 @@ def with_backward_range(step):
     return run
 
 
-def profile_method(step, model, steps: int, reset) -> dict:
+def profile_method(step, model, steps: int, reset, warmups: int = 2) -> dict:
     """Per step (mean of `steps`): wall, GPU busy and idle time, kernels, and host and GPU time of each phase."""
-    for _ in range(2):
+    for _ in range(warmups):
         step()
         reset()
     trl_step.sync(torch.cuda.is_available())
@@ -142,14 +142,15 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke test (--model tiny)
     model, vocab, completion = trl_step.make_model(args.model, device)
     reset = lambda: model.zero_grad(set_to_none=True)
-    q, zero_half = trl_step.BATCHES[args.batch]
-    inputs = trl_step.micro_batch(vocab, device, args.size, zero_half, C=completion)
-    bound = with_backward_range(trl_step.bound_step(model, [inputs]))
-    results = {"bound": profile_method(bound, model, args.steps, reset)}
+    q, _ = trl_step.BATCHES[args.batch]
+    batches = trl_step.micro_batches(vocab, device, args.size, args.batch, C=completion)
+    warmups = 2 * len(batches)  # each micro-batch twice (a captured layout's warm-up and capture)
+    bound = with_backward_range(trl_step.bound_step(model, batches))
+    results = {"bound": profile_method(bound, model, args.steps, reset, warmups)}
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, device == "cuda", completion)
-        step = with_backward_range(trl_step.trainer_step(trainer, [inputs]))
-        results[name] = profile_method(step, model, args.steps, reset)
+        step = with_backward_range(trl_step.trainer_step(trainer, batches))
+        results[name] = profile_method(step, model, args.steps, reset, warmups)
         del trainer, step
         if device == "cuda":
             torch.cuda.empty_cache()

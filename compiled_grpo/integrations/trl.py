@@ -155,8 +155,8 @@ class CompiledGRPOTrainer(GRPOTrainer):
     `loss_options` sets it, the lm_head's workspace is bounded by what TRL's own head would hold
     (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. On a GPU, up to hidden size 2048, the
     loss's calls are captured as CUDA graph replays (`captures_by_default`; `loss_options={"capture": False}` turns
-    it off, `True` on at any size), their graphs' memory pool inside that budget. Metrics are kept as tensors and read back when logged: a step does not wait on
-    the GPU for them."""
+    it off, `True` on at any size), their graphs' memory pool inside that budget. Metrics are kept as tensors and
+    read back when logged: a step does not wait on the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  **kwargs):  # fmt: skip
