@@ -235,6 +235,24 @@ def with_measurement(row: dict, measured) -> dict:
     return row
 
 
+def pool_free_gib(captures) -> float:
+    """GiB the graphs' pool reserves without a live tensor in it (the graphs' workspace between replays): memory the
+    step cannot use, which an allocated peak does not show."""
+    if captures.pool is None:
+        return 0.0
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(captures.pool)]
+    return sum(s["total_size"] - s["allocated_size"] for s in segments) / 2**30
+
+
+def with_footprint(row: dict) -> dict:
+    """`row` with footprint_gib where it can be told: the step's peak above the memory in use before it, plus
+    what the method holds between steps (`held_gib`: a captured call's static buffers and the pool's live
+    tensors) and the pool's free part. The comparable number to GRPOTrainer's peak."""
+    if row.get("peak_gib") is not None and row.get("held_gib") is not None:
+        row["footprint_gib"] = row["peak_gib"] + row["held_gib"] + (row.get("pool_free_gib") or 0.0)
+    return row
+
+
 def sync(on_gpu: bool) -> None:
     if on_gpu:
         torch.cuda.synchronize()
@@ -324,7 +342,8 @@ def sweep(args) -> None:
                 if captures is not None:  # replays, the pool's reserve, and whether (and why) capture ended
                     row["replays"], row["pool_gib"] = captures.replays, captures.pool_bytes / 2**30
                     row["capture_stopped"], row["capture_failures"] = captures.stopped, captures.failures[:4]
-                rows.append(with_measurement(row, measured))
+                    row["pool_free_gib"] = pool_free_gib(captures) if on_gpu else None
+                rows.append(with_footprint(with_measurement(row, measured)))
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
             del steps, trainers
@@ -349,8 +368,9 @@ def report(args) -> None:
         "of 1024 tokens after 64-token prompts (`varied`: four micro-batches taking turns, their longest completions "
         "1024, 819, 614 and 921 tokens), dapo; `_compute_loss` (the model's forward included) + backward, "
         f"median of {', '.join(f'{n} ({m})' for m, n in repeats.items())} steps after every micro-batch ran twice; "
-        "peak memory above the model and inputs, and a captured row's graph pool (held between steps) after the "
-        "'+'. The bound: the backbone's forward "
+        "peak memory above the model and inputs; a captured row's footprint adds what it holds between steps (its "
+        "static buffers, the pool's live tensors) and the pool's free part (older runs: the pool's size and what "
+        "the row held). The bound: the backbone's forward "
         "and backward with a trivial loss on its final hidden states (no lm_head). `gain reached`: the share of "
         "the possible gain over GRPOTrainer (its time minus the bound's) that the row achieves.",
         "",
@@ -378,8 +398,10 @@ def cell(mine: dict, name: str) -> str:
     memory = "" if r.get("peak_gib") is None else f", {r['peak_gib']:.2f} GiB"
     if r.get("capture_stopped"):
         memory += " (capture stopped: its pool outgrew the budget)"
-    elif r.get("pool_gib"):
-        memory += f" + {r['pool_gib']:.2f} pool"
+    elif r.get("pool_free_gib") is not None and r.get("replays"):
+        memory += f" (footprint {r['footprint_gib']:.2f})"
+    elif r.get("pool_gib"):  # runs before the footprint was measured: the pool, and what the row held
+        memory += f" + {r['pool_gib']:.2f} pool, {r.get('held_gib', 0):.2f} held"
     text = f"{r['ms']:.1f} ms{memory}"
     if name != "grpo" and name in TRAINERS and "ms" in grpo and "ms" in bound:
         gain = (grpo["ms"] - r["ms"]) / max(grpo["ms"] - bound["ms"], 1e-9)

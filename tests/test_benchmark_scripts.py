@@ -61,3 +61,18 @@ def test_the_waiting_head_is_trls_and_is_put_back():
     assert waiting is not original and trl_utils._ChunkedLogProbFunction is original
     for a, b in zip(got, original.apply(*args)[:2], strict=True):
         assert torch.equal(a, b)
+
+
+def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
+    """The layout simulation drives the loss's own graph cache: one layout repeated captures its graphs once and
+    replays them; more layouts than the cache keeps capture again after being dropped."""
+    from benchmarks import capture_layouts
+
+    cycle = capture_layouts.simulate("cycle4", steps=12, batch=8, cap=1024, limit=16)
+    # four layouts, each: its checks (the 1024-token batch only), its forward and its gradient pass
+    assert cycle["distinct_keys"] == cycle["captures"] == cycle["uncaptured"]
+    assert cycle["replayed"] == cycle["graph_calls"] - 2 * cycle["distinct_keys"]
+    tight = capture_layouts.simulate("uniform", steps=60, batch=8, cap=1024, limit=2)
+    assert tight["captures"] > tight["distinct_keys"]  # dropped graphs captured again
+    capture_layouts.main(["--steps", "8", "--out", str(tmp_path)])
+    assert "| cycle4 | 16 |" in (tmp_path / "capture-layouts.md").read_text()

@@ -153,10 +153,11 @@ class CompiledGRPOTrainer(GRPOTrainer):
     from `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
     `logits_budget_bytes`...) are passed to `FusedLinearGRPOLoss`; everything else is TRL's. Unless
     `loss_options` sets it, the lm_head's workspace is bounded by what TRL's own head would hold
-    (`trainer_budget`), so the step's peak memory stays under GRPOTrainer's. On a GPU, up to hidden size 2048, the
-    loss's calls are captured as CUDA graph replays (`captures_by_default`; `loss_options={"capture": False}` turns
-    it off, `True` on at any size), their graphs' memory pool inside that budget. Metrics are kept as tensors and
-    read back when logged: a step does not wait on the GPU for them."""
+    (`trainer_budget`), so an uncaptured step's peak stays under GRPOTrainer's. On a GPU, up to hidden size 2048,
+    the loss's calls are captured as CUDA graph replays (`captures_by_default`; `loss_options={"capture": False}`
+    turns it off, `True` on at any size), their graphs' memory pool inside that budget (the graphs' static buffers
+    and the pool's free part are held between steps: docs/performance.md). Metrics are kept as tensors and read
+    back when logged: a step does not wait on the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  **kwargs):  # fmt: skip
