@@ -139,7 +139,7 @@ def trainer_budget(loss: FusedLinearGRPOLoss, weight, device) -> int:
 
 # The largest lm_head hidden size whose calls the trainer captures by default. Up to it (0.5B-1.5B shapes, H 896 and
 # 1536) the step is bound by the host's launches and capture measured faster or level; at 7B (H 3584) the step is
-# bound by the GPU, capture gains nothing, and the speed schedule's graph outgrows the budget.
+# bound by the GPU, capture gains nothing, and its graphs' pool outgrew the budget at the first capture.
 CAPTURED_HIDDEN_SIZE = 2048
 
 
