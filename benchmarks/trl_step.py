@@ -172,7 +172,7 @@ def micro_batch(vocab: int, device, B: int, zero_half: bool, P=64, C=1024, seed=
 def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
     """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
     completion a random length between half the batch's longest and it (one row at the longest)."""
-    q, zero_half = BATCHES[kind]
+    _, zero_half = BATCHES[kind]
     if kind != "varied":
         return [micro_batch(vocab, device, B, zero_half, C=C)]
     batches = []
@@ -240,8 +240,7 @@ def pool_free_gib(captures) -> float:
     step cannot use, which an allocated peak does not show."""
     if captures.pool is None:
         return 0.0
-    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(captures.pool)]
-    return sum(s["total_size"] - s["allocated_size"] for s in segments) / 2**30
+    return sum(s["total_size"] - s["allocated_size"] for s in captures.pool_segments()) / 2**30
 
 
 def with_footprint(row: dict) -> dict:

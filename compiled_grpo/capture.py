@@ -19,6 +19,7 @@ graph is dropped and the calls run uncaptured, said once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections import Counter, OrderedDict
@@ -188,14 +189,11 @@ class Captures:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
-            self.capturing = True
-            with torch.cuda.graph(graph, pool=self.pool):
+            with self.recording(), torch.cuda.graph(graph, pool=self.pool):
                 outputs = StaticOutputs.of(work(*static))
         except Exception as error:  # noqa: BLE001 - any failure: run this key uncaptured, say why once
             torch.cuda.synchronize()
             return self._failed(key, error)
-        finally:
-            self.capturing = False
         self.pool = graph.pool() if self.pool is None else self.pool
         entry = self._keep(key, Graph(graph, static, outputs))
         self._measure_pool()
@@ -221,9 +219,21 @@ class Captures:
                  f"run uncaptured")  # fmt: skip
         return self._keep(key, Graph(None, [], None))
 
+    @contextlib.contextmanager
+    def recording(self):
+        """The span of a capture: the work sees `capturing` (`shared_output`)."""
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+    def pool_segments(self) -> list[dict]:
+        """The allocator's segments of the graphs' pool (`torch.cuda.memory_snapshot`)."""
+        return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(self.pool)]
+
     def pool_reserved(self) -> int:
-        segments = torch.cuda.memory_snapshot()
-        return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(self.pool))
+        return sum(s["total_size"] for s in self.pool_segments())
 
     def _keep(self, key, entry: Graph) -> Graph:
         self.graphs[key] = entry

@@ -50,12 +50,8 @@ class ReplayOnTheStaticInputs(capture.Captures):
         return entry
 
     def _recorded(self, work, static):
-        self.capturing = True
-        try:
-            with NoHostReads():
-                return work(*static)
-        finally:
-            self.capturing = False
+        with self.recording(), NoHostReads():
+            return work(*static)
 
     def pool_reserved(self) -> int:  # what the static buffers would hold, each once
         tensors = {t.data_ptr(): t for e in self.graphs.values() for t in e.outputs.tensors()}
