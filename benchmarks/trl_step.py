@@ -102,6 +102,9 @@ TRAINERS = {  # name: (trainer, its options)
     "captured-stats256": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256}}),
     # and with 4096-entry vocabulary slices in the gradient pass: half its [token_tile, vocab_tile] logits
     "captured-small": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256, "vocab_tile": 4096}}),
+    # and with a 128-row statistics pass and 4096-token gradient-pass tiles: half the default captured workspace
+    "captured-smaller": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 128,
+                                                                "token_tile": 4096}}),  # fmt: skip
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
@@ -123,6 +126,7 @@ LABELS = {
     "captured-stats512": "CompiledGRPOTrainer auto, captured calls, 512-row statistics pass",
     "captured-stats256": "CompiledGRPOTrainer auto, captured calls, 256-row statistics pass",
     "captured-small": "CompiledGRPOTrainer auto, captured calls, 256-row statistics, 4096-entry vocabulary slices",
+    "captured-smaller": "CompiledGRPOTrainer auto, captured calls, 128-row statistics, 4096-token gradient tiles",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",

@@ -12,9 +12,12 @@ graph's static buffers, so a result stays valid across later calls; the small on
 into one buffer per dtype (`StaticOutputs`), so that a replay's results come out in a copy or two rather than
 one per metric. A capture that fails (work that reads the
 host, say) is said once, and that key then runs uncaptured. Graphs share one memory pool (they never run at the
-same time); at most `limit` graphs are kept, the least recently used dropped first. The pool keeps each graph's
-workspace reserved between calls: where it grows past `pool_limit` bytes (the loss's workspace budget), every
-graph is dropped and the calls run uncaptured, said once.
+same time); at most `limit` graphs are kept, the least recently used dropped first. For the same reason their
+large buffers share storage: every graph's static input at one position is a view of one storage per dtype, and
+so is every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of each, not
+one per graph. The pool keeps each graph's workspace reserved between calls: where it and the static inputs grow
+past `pool_limit` bytes (the loss's workspace budget), every graph is dropped and the calls run uncaptured, said
+once.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ class Captures:
         self.replays_of: Counter = Counter()  # the same, per graph name (`key_name`)
         self.failures: list[str] = []  # why captures failed (their keys then run uncaptured)
         self.capturing = False  # a graph is being captured (`shared_output`)
-        self.shared: dict = {}  # (shape, dtype, device) -> the output buffer every graph writes (`shared_output`)
+        self.storages: dict = {}  # (role, dtype, device) -> the storage that graphs share (`shared`)
 
     def applies_to(self, tensor) -> Captures | None:
         """These captures where a call on `tensor` can be captured (a GPU, or the stand-in's any device), else None:
@@ -138,17 +141,27 @@ class Captures:
         with torch.inference_mode(False), torch.no_grad():
             return self._run(key, work, tensors)
 
-    def shared_output(self, like: torch.Tensor) -> torch.Tensor | None:
-        """While a graph is being captured, the one buffer of `like`'s shape and dtype that every graph writes such an
-        output into (a gradient pass's dW, as large as the lm_head weight), else None (the work makes its own). Each
-        graph's own static dW would stay reserved in the pool, one per token layout; shared, the pool holds one.
-        Sound because graphs never run at the same time and a replay's outputs are copied out right after it."""
-        if not self.capturing:
-            return None
-        key = (tuple(like.shape), like.dtype, like.device)
-        if key not in self.shared:  # in the pool (made while capturing), kept alive here for every later graph
-            self.shared[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return self.shared[key]
+    def shared(self, role, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of `like`'s shape and dtype that is a view of the one storage of `role` (and dtype, device) which
+        every graph's buffer of that role views. Sound because graphs never run at the same time, each replay's
+        inputs are copied in right before it and its outputs copied out right after it. A larger buffer than the
+        storage holds gets a new storage; graphs captured before keep the old one alive until they are dropped."""
+        key = (role, like.dtype, like.device)
+        storage = self.storages.get(key)
+        if storage is None or storage.numel() < like.numel():
+            storage = self.storages[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return storage[: like.numel()].view(like.shape)
+
+    def shared_output(self, like: torch.Tensor, role: str) -> torch.Tensor | None:
+        """While a graph is being captured, the shared buffer (`shared`) that it writes a large output of `role`
+        into (a gradient pass's dW, as large as the lm_head weight; its dX), else None (the work makes its own).
+        Each graph's own would stay reserved in the pool, one per token layout; shared, the pool holds one. Made
+        while capturing, so in the pool, and kept alive here for every later graph."""
+        return self.shared(("output", role), like) if self.capturing else None
+
+    def static_inputs(self, tensors: list) -> list:
+        """A graph's static inputs, each a copy of `tensors[i]` in the shared buffer of input position i."""
+        return [self.shared(("input", i), t).copy_(t) for i, t in enumerate(tensors)]
 
     def run_with_absent(self, key, work, tensors):
         """`run` of `work(*tensors)` where some of `tensors` may be None: those stay out of the graph's inputs, and
@@ -185,7 +198,7 @@ class Captures:
         return entry.outputs.copied()
 
     def _capture(self, key, work, tensors) -> Graph:
-        static = [t.clone() for t in tensors]
+        static = self.static_inputs(tensors)
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
@@ -200,15 +213,15 @@ class Captures:
         return entry
 
     def _measure_pool(self) -> None:
-        """The pool's reserved bytes (its segments in the allocator's snapshot); past `pool_limit`, every graph is
-        dropped and later calls run uncaptured (said once): the pool holds each graph's workspace for good, so it
-        counts against the same budget as the workspace of an uncaptured call."""
-        self.pool_bytes = self.pool_reserved()
+        """The pool's reserved bytes (its segments in the allocator's snapshot) and the static inputs' storages;
+        past `pool_limit`, every graph is dropped and later calls run uncaptured (said once): the pool holds each
+        graph's workspace for good, so it counts against the same budget as the workspace of an uncaptured call."""
+        self.pool_bytes = self.pool_reserved() + self.inputs_reserved()
         if self.pool_limit is not None and self.pool_bytes > self.pool_limit:
             self.say(f"the CUDA graphs' memory pool ({self.pool_bytes / 2**30:.2f} GiB) exceeds the workspace budget "
                      f"({self.pool_limit / 2**30:.2f} GiB); calls run uncaptured")  # fmt: skip
             self.graphs.clear()
-            self.shared.clear()
+            self.storages.clear()
             self.pool, self.stopped = None, True
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
@@ -235,6 +248,10 @@ class Captures:
     def pool_reserved(self) -> int:
         return sum(s["total_size"] for s in self.pool_segments())
 
+    def inputs_reserved(self) -> int:
+        """Bytes of the storages that the kept graphs' static inputs view (outside the pool), each counted once."""
+        return storage_bytes(t for entry in self.graphs.values() for t in entry.inputs)
+
     def _keep(self, key, entry: Graph) -> Graph:
         self.graphs[key] = entry
         while len(self.graphs) > self.limit:
@@ -245,6 +262,12 @@ class Captures:
         if message not in self.said:
             self.said.add(message)
             warnings.warn(f"compiled_grpo: {message}", CaptureNotice, stacklevel=3)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors`, each counted once however many of them view it."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def key_name(key) -> str:

@@ -34,7 +34,7 @@ class ReplayOnTheStaticInputs(capture.Captures):
     any_device = True
 
     def _capture(self, key, work, tensors):
-        static = [t.clone() for t in tensors]
+        static = self.static_inputs(tensors)
         outputs = capture.StaticOutputs.of(self._recorded(work, static))
         captures = self
 
@@ -53,9 +53,8 @@ class ReplayOnTheStaticInputs(capture.Captures):
         with self.recording(), NoHostReads():
             return work(*static)
 
-    def pool_reserved(self) -> int:  # what the static buffers would hold, each once
-        tensors = {t.data_ptr(): t for e in self.graphs.values() for t in e.outputs.tensors()}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+    def pool_reserved(self) -> int:  # what the static outputs would hold, each storage once
+        return capture.storage_bytes(t for e in self.graphs.values() for t in e.outputs.tensors())
 
 
 POSITIONAL = ("hidden", "weight", "completion_ids", "completion_mask", "advantages")
@@ -356,16 +355,40 @@ def test_the_work_sees_one_layout_in_every_call():
 def test_a_pool_past_the_budget_stops_capture():
     """The graphs' pool counts against the workspace budget: past it, the graphs are dropped and the calls run
     uncaptured (said once), with the same values."""
-    captures = ReplayOnTheStaticInputs(pool_limit=8 * 4 - 1)  # one output of 8 float32 values: just too much
+    # one input and one output of 8 float32 values each (the static inputs count too): just too much
+    captures = ReplayOnTheStaticInputs(pool_limit=2 * 8 * 4 - 1)
     work = lambda t: t * 3
     with pytest.warns(capture.CaptureNotice, match="memory pool .* exceeds the workspace budget"):
         for i in range(4):
             assert torch.equal(captures.run("key", work, [torch.full((8,), float(i))]), torch.full((8,), 3.0 * i))
     assert captures.stopped and not captures.graphs
-    roomy = ReplayOnTheStaticInputs(pool_limit=8 * 4)
+    roomy = ReplayOnTheStaticInputs(pool_limit=2 * 8 * 4)
     for i in range(3):
         roomy.run("key", work, [torch.full((8,), float(i))])
-    assert roomy.replays == 2 and roomy.pool_bytes == 32
+    assert roomy.replays == 2 and roomy.pool_bytes == 64
+
+
+def test_graphs_share_their_static_inputs():
+    """Every graph's static input at one position views one storage per dtype (graphs never run at the same
+    time): a smaller layout after a larger one adds no storage, each replay still reads its own values; a larger
+    one gets a new storage, and the old one goes when the graphs that view it are dropped."""
+    captures = ReplayOnTheStaticInputs(limit=2)
+    work = lambda t, ids: t * 2 + ids
+    call = lambda n, v: captures.run(("key", n), work, [torch.full((n,), float(v)), torch.arange(n)])
+    for v in range(3):  # 8 then 4 entries, taking turns: captured once each, then replayed
+        for n in (8, 4):
+            assert torch.equal(call(n, v), 2.0 * v + torch.arange(n))
+    storages = lambda: {t.untyped_storage().data_ptr() for e in captures.graphs.values() for t in e.inputs}
+    assert captures.replays == 4 and len(storages()) == 2  # one per position, both layouts in them
+    assert captures.inputs_reserved() == 8 * 4 + 8 * 8
+    call(8, 9)  # the 4-entry graph now the least recently used
+    for v in range(2):  # 16 entries: a larger storage per position; the 4-entry graph is dropped (limit 2)
+        call(16, v)
+    assert len(captures.graphs) == 2 and len(storages()) == 4  # the 8-entry graph keeps the old ones
+    for v in range(2):
+        call(12, v)  # the 8-entry graph is dropped: its storages with it
+    assert len(storages()) == 2 and captures.inputs_reserved() == 16 * 4 + 16 * 8
+    assert torch.equal(call(16, 7), 14.0 + torch.arange(16)) and torch.equal(call(12, 3), 6.0 + torch.arange(12))
 
 
 @pytest.mark.parametrize("schedule", ["memory", "sparse", "speed"])
@@ -389,8 +412,9 @@ def test_layouts_share_one_weight_gradient(schedule, monkeypatch):
     captures = loss_fn.captures
     weight_sized = lambda e: [t for t in e.outputs.tensors() if t.shape == model.weight.shape]
     writers = [e for e in captures.graphs.values() if weight_sized(e)]
-    assert len(writers) == 2 and len(captures.shared) == 1
-    assert all(weight_sized(e)[0] is next(iter(captures.shared.values())) for e in writers)
+    shared = [v for k, v in captures.storages.items() if k[0] == ("output", "weight gradient")]
+    assert len(writers) == 2 and len(shared) == 1
+    assert all(weight_sized(e)[0].data_ptr() == shared[0].data_ptr() for e in writers)
     assert not any(t is model.weight.grad for e in writers for t in weight_sized(e))  # the grad is a copy
 
 

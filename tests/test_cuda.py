@@ -226,7 +226,10 @@ def captured_against_uncaptured_on_gpu(schedule, settings, seed, T=300, lengths=
     captured = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
     plain = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, **settings)
     plain.captures = capture.Captures(limit=0)
-    plain.captures.run = lambda key, work, tensors: work(*tensors)
+    # the work run directly, in the mode and on the detached inputs a capture gives it (`Captures.run`): the same
+    # compiled graphs. A graph compiled apart (grad mode on, say) is tuned apart: Inductor picks a reduction
+    # kernel's configuration by timing it on the device, so two compilations can round differently
+    plain.captures._run = lambda key, work, tensors: work(*tensors)
     lengths = (T,) if lengths is None else lengths
     make = lambda s, t: on_cuda(make_inputs(seed=s, B=4, T=t, H=256, V=32003, dtype=torch.float32, bias=True,
                                             **inputs))  # fmt: skip
@@ -295,7 +298,7 @@ def test_captured_layouts_share_one_weight_gradient_on_gpu():
     captures = captured_against_uncaptured_on_gpu("memory", {"loss_type": "dapo"}, 20, lengths=(256, 640))
     names = [capture.key_name(k) for k in captures.graphs]
     assert names.count("vocabulary-outer gradients") == 2 and captures.replays_of["vocabulary-outer gradients"] == 6
-    assert len(captures.shared) == 1
+    assert [k[0] for k in captures.storages if k[0][0] == "output"].count(("output", "weight gradient")) == 1
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["uncaptured", "captured"])

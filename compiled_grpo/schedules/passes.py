@@ -131,7 +131,14 @@ def weight_gradient_out(engine: Engine, head: Head, wanted: Wanted) -> torch.Ten
     (`Captures.shared_output`); else None (the pass makes its own)."""
     if engine.captures is None or not wanted.weight:
         return None
-    return engine.captures.shared_output(head.weight)
+    return engine.captures.shared_output(head.weight, "weight gradient")
+
+
+def hidden_gradient(engine: Engine, dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A pass's dX (`dx`, summed in float32 or already in x's dtype) in x's dtype: while a pass is being captured,
+    written into the buffer every graph's dX shares (`Captures.shared_output`), else `dx.to(x.dtype)`."""
+    out = None if engine.captures is None else engine.captures.shared_output(dx.to(x.dtype, copy=False), "dX")
+    return dx.to(x.dtype) if out is None else out.copy_(dx)
 
 
 def statistics_pieces(engine: Engine, tiles) -> list[tuple[int, int]]:
@@ -156,7 +163,7 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
         dw = torch.empty_like(weight)
     if not tiles:  # nothing active: zero gradients
         zero_bias = torch.zeros_like(bias) if wanted.bias else None
-        return dx.zero_().to(x.dtype), None if dw is None else dw.zero_(), zero_bias
+        return hidden_gradient(engine, dx.zero_(), x), None if dw is None else dw.zero_(), zero_bias
     vocab_tile = engine.tiles.vocab_tile
     db = torch.empty_like(bias) if wanted.bias else None
     # made on the device (no wait), in the dtype of the row targets they offset
@@ -183,7 +190,7 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
         if wanted.bias:
             db[v0 : v0 + vocab_tile] = db_v
     distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
-    return dx.to(x.dtype), dw, db
+    return hidden_gradient(engine, dx, x), dw, db
 
 
 def buffers_weight_gradient(dtype: torch.dtype, rows: int, hidden_size: int) -> bool:

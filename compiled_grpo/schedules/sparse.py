@@ -138,7 +138,7 @@ def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: W
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result(passes.weight_gradient_out(engine, head, wanted))
     distributed.all_sum_(dx, engine.shard.group)
-    return dx, dw, None if db is None else db.to(head.bias.dtype)
+    return passes.hidden_gradient(engine, dx, x_r), dw, None if db is None else db.to(head.bias.dtype)
 
 
 def run(engine: Engine, objective, head: Head, plan: TilePlan):

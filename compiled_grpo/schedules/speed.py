@@ -214,6 +214,7 @@ def gradient_work(engine: Engine, objective: Objective, head: Head, plan: SpeedP
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result(passes.weight_gradient_out(engine, head, call.wanted))
     distributed.all_sum_(dx, engine.shard.group)  # each vocabulary slice contributes to every token's dX
+    dx = passes.hidden_gradient(engine, dx, x)
     logp, entropy = flat.view(ids.shape)
     loss, metrics = objective.loss_and_metrics(logp, entropy, None, norms, compiled=call.compile_objective)
     d_hidden = None
