@@ -103,8 +103,10 @@ TRAINERS = {  # name: (trainer, its options)
     # and with 4096-entry vocabulary slices in the gradient pass: half its [token_tile, vocab_tile] logits
     "captured-small": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256, "vocab_tile": 4096}}),
     # and with a 128-row statistics pass and 4096-token gradient-pass tiles: half the default captured workspace
-    "captured-smaller": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 128,
-                                                                "token_tile": 4096}}),  # fmt: skip
+    "captured-smaller": (
+        CompiledGRPOTrainer,
+        {"loss_options": {"capture": True, "stats_rows": 128, "token_tile": 4096}},
+    ),  # fmt: skip
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
