@@ -307,7 +307,9 @@ METHODS = {
     "compiled_grpo speed, compiled, rounded": ours("speed", True, round_logits=True),
     "compiled_grpo memory, compiled, rounded": ours("memory", True, round_logits=True),
     "compiled_grpo primitive + loss, compiled, rounded": primitive(round_logits=True),
+    "compiled_grpo speed, compiled, captured": ours("speed", True, capture=True),
     "compiled_grpo memory, compiled, captured": ours("memory", True, capture=True),
+    "compiled_grpo sparse, compiled, captured": ours("sparse", True, capture=True),
     "compiled_grpo primitive + loss, compiled, captured": primitive(capture=True),
     "compiled_grpo primitive + loss, compiled, captured, rounded": primitive(capture=True, round_logits=True),
 }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import traceback
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 SEEN_LIMIT = 4096  # keys remembered as seen once
+# Graphs kept at most. A training run's layouts (completion lengths bucketed to 128, slots to 512) need 30-40 graphs;
+# with fewer kept, dropped graphs are captured again (each a wait for the GPU). A kept graph costs little: its
+# static inputs and its large outputs share storage with every other graph's, its workspace is the shared pool's.
+GRAPH_LIMIT = 64
 
 
 class CaptureNotice(UserWarning):
@@ -109,7 +114,7 @@ class StaticOutputs:
 class Captures:
     any_device = False  # True in a stand-in that captures nothing (tests on a CPU)
 
-    def __init__(self, limit: int = 16, pool_limit: int | None = None):
+    def __init__(self, limit: int = GRAPH_LIMIT, pool_limit: int | None = None):
         self.limit = limit
         self.pool_limit = pool_limit  # bytes the graphs' memory pool may reserve; past it, capture stops
         self.graphs: OrderedDict = OrderedDict()
@@ -150,7 +155,9 @@ class Captures:
         storage = self.storages.get(key)
         if storage is None or storage.numel() < like.numel():
             storage = self.storages[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return storage[: like.numel()].view(like.shape)
+        # set on the storage, not a view of it: torch.compile guards on a view's base, whose size is the largest
+        # layout's, so a compiled tile or objective would recompile inside a capture (which breaks it)
+        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage.untyped_storage(), 0, like.shape)
 
     def shared_output(self, like: torch.Tensor, role: str) -> torch.Tensor | None:
         """While a graph is being captured, the shared buffer (`shared`) that it writes a large output of `role`
@@ -200,17 +207,35 @@ class Captures:
     def _capture(self, key, work, tensors) -> Graph:
         static = self.static_inputs(tensors)
         graph = torch.cuda.CUDAGraph()
+        inside = []  # the error raised inside the capture: the one ending it reports only that capture broke
         try:
             torch.cuda.synchronize()
             with self.recording(), torch.cuda.graph(graph, pool=self.pool):
-                outputs = StaticOutputs.of(work(*static))
+                try:
+                    outputs = StaticOutputs.of(work(*static))
+                except Exception as error:
+                    inside.append(error)
+                    raise
         except Exception as error:  # noqa: BLE001 - any failure: run this key uncaptured, say why once
+            self._end_pool_recording(graph)
             torch.cuda.synchronize()
-            return self._failed(key, error)
+            return self._failed(key, inside[0] if inside else error)
         self.pool = graph.pool() if self.pool is None else self.pool
         entry = self._keep(key, Graph(graph, static, outputs))
         self._measure_pool()
         return entry
+
+    def _end_pool_recording(self, graph) -> None:
+        """After a failed capture, hand the pool back to the allocator if it still records into it: where CUDA ended
+        the capture (an operation a capture cannot hold), torch's capture_end raises before doing so, and every
+        later capture into the pool would then fail ("already recording to mempool_id")."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is None:
+            return
+        try:
+            end(torch.cuda.current_device(), self.pool if self.pool is not None else graph.pool())
+        except RuntimeError:  # it was handed back already (a failure that CUDA's capture did not see)
+            pass
 
     def _measure_pool(self) -> None:
         """The pool's reserved bytes (its segments in the allocator's snapshot) and the static inputs' storages;
@@ -227,7 +252,8 @@ class Captures:
                 torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
 
     def _failed(self, key, error) -> Graph:
-        self.failures.append(f"{key[0] if isinstance(key, tuple) else key}: {type(error).__name__}: {error}")
+        where = "".join(traceback.format_tb(error.__traceback__)[-3:])  # for benchmarks and bug reports
+        self.failures.append(f"{key_name(key)}: {type(error).__name__}: {error}\n{where}")
         self.say(f"a call could not be captured as a CUDA graph ({type(error).__name__}: {error}); calls like it "
                  f"run uncaptured")  # fmt: skip
         return self._keep(key, Graph(None, [], None))

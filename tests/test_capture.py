@@ -537,3 +537,44 @@ def test_checks_are_captured_at_bucket_lengths_only(monkeypatch):
         assert_matches(out, grads, ref, ref_grads, rtol=1e-9)
         names = graph_names(loss_fn.captures)
         assert ("value checks" in names) == ("statistics checks" in names) == captured, (T, names)
+
+
+class CompilesCounted(ReplayOnTheStaticInputs):
+    """The stand-in graph, counting what torch.compile compiles while the work runs on the static inputs (a compile
+    inside a real capture breaks it: Inductor reads values back while it compiles). No `NoHostReads` here: a
+    dispatch mode stops torch.compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiled_inside = 0
+
+    def _recorded(self, work, static):
+        from torch._dynamo.utils import counters
+
+        before = counters["frames"]["ok"]
+        with self.recording():
+            outputs = work(*static)
+        self.compiled_inside += counters["frames"]["ok"] - before
+        return outputs
+
+
+@pytest.mark.compiled
+def test_captured_work_compiles_nothing_new_across_layouts(monkeypatch):
+    """Two completion lengths taking turns, the compiled tiles and objective: a graph's work on its static inputs
+    (which share storage with the other layout's) hits the graphs compiled by the key's first, uncaptured call.
+    Static inputs that were views of the shared storage failed this: torch.compile guarded on the view's base, sized
+    by the larger layout, and recompiled inside the capture."""
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    monkeypatch.setattr(passes, "COMPILE_OBJECTIVE_ON_CPU", True)
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="memory", capture=True, loss_type="dapo", **TILES)
+    loss_fn.captures = CompilesCounted()
+    masks = {T: make_inputs(seed=170 + T, T=T)["completion_mask"] for T in (37, 150)}
+    model = Model(make_inputs(seed=170))
+    for seed in range(6):
+        T = (150, 37)[seed % 2]
+        x = {**make_inputs(seed=170 + seed, T=T), "completion_mask": masks[T]}
+        out, grads = model.call(loss_fn, x, num_items_in_batch=40 + seed)
+        ref, ref_grads = run_reference(x, {"loss_type": "dapo"}, num_items_in_batch=40 + seed)
+        assert_matches(out, grads, ref, ref_grads, rtol=2e-5)
+    assert loss_fn.captures.replays >= 4
+    assert loss_fn.captures.compiled_inside == 0
