@@ -343,3 +343,22 @@ def test_rounded_logits_on_gpu(schedule):
     for k in ("hidden", "weight"):
         scale = float(ref_grads[k].abs().max())
         assert max_error(grads[k], ref_grads[k]) <= max_error(naive_grads[k], ref_grads[k]) + 2e-2 * scale, k
+
+
+def test_a_failed_capture_leaves_later_captures_working():
+    """Work that reads the device back cannot be captured: CUDA ends the capture, torch's capture_end raises
+    before handing the graphs' pool back, and every later capture into the pool failed ("already recording to
+    mempool_id"). The failed key runs uncaptured with its right value, the failure names the error raised inside
+    the work, and another key still captures and replays."""
+    from compiled_grpo.capture import CaptureNotice, Captures
+
+    captures = Captures()
+    x = torch.arange(8.0, device="cuda")
+    reads_back = lambda t: t * float(t.sum())  # a read of the device inside the capture
+    with pytest.warns(CaptureNotice, match="could not be captured"):
+        for _ in range(3):
+            assert torch.equal(captures.run("reads back", reads_back, [x]), x * 28.0)
+    assert len(captures.failures) == 1 and "capturing" in captures.failures[0], captures.failures
+    for i in range(4):
+        assert torch.equal(captures.run("doubles", lambda t: t * 2, [x + i]), (x + i) * 2)
+    assert captures.replays_of["doubles"] == 3 and len(captures.failures) == 1, captures.failures
