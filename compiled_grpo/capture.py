@@ -13,8 +13,8 @@ into one buffer per dtype (`StaticOutputs`), so that a replay's results come out
 one per metric. A capture that fails (work that reads the
 host, say) is said once, and that key then runs uncaptured. Graphs share one memory pool (they never run at the
 same time); at most `limit` graphs are kept, the least recently used dropped first. For the same reason their
-large buffers share storage: every graph's static input at one position is a view of one storage per dtype, and
-so is every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of each, not
+large buffers share storage: every graph's static input at one position lies on one storage per dtype, and
+so does every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of each, not
 one per graph. The pool keeps each graph's workspace reserved between calls: where it and the static inputs grow
 past `pool_limit` bytes (the loss's workspace budget), every graph is dropped and the calls run uncaptured, said
 once.
@@ -147,8 +147,8 @@ class Captures:
             return self._run(key, work, tensors)
 
     def shared(self, role, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of `like`'s shape and dtype that is a view of the one storage of `role` (and dtype, device) which
-        every graph's buffer of that role views. Sound because graphs never run at the same time, each replay's
+        """A buffer of `like`'s shape and dtype on the one storage of `role` (and dtype, device) that every graph's
+        buffer of that role lies on. Sound because graphs never run at the same time, each replay's
         inputs are copied in right before it and its outputs copied out right after it. A larger buffer than the
         storage holds gets a new storage; graphs captured before keep the old one alive until they are dropped."""
         key = (role, like.dtype, like.device)
