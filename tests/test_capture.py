@@ -559,20 +559,22 @@ class CompilesCounted(ReplayOnTheStaticInputs):
 
 
 @pytest.mark.compiled
-def test_captured_work_compiles_nothing_new_across_layouts(monkeypatch):
+@pytest.mark.parametrize("schedule", ["memory", "sparse", "speed"])
+def test_captured_work_compiles_nothing_new_across_layouts(schedule, monkeypatch):
     """Two completion lengths taking turns, the compiled tiles and objective: a graph's work on its static inputs
     (which share storage with the other layout's) hits the graphs compiled by the key's first, uncaptured call.
     Static inputs that were views of the shared storage failed this: torch.compile guarded on the view's base, sized
     by the larger layout, and recompiled inside the capture."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
     monkeypatch.setattr(passes, "COMPILE_OBJECTIVE_ON_CPU", True)
-    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule="memory", capture=True, loss_type="dapo", **TILES)
+    loss_fn = FusedLinearGRPOLoss(compiled=True, schedule=schedule, capture=True, loss_type="dapo", **TILES)
     loss_fn.captures = CompilesCounted()
-    masks = {T: make_inputs(seed=170 + T, T=T)["completion_mask"] for T in (37, 150)}
-    model = Model(make_inputs(seed=170))
+    inputs = {"zero_advantage_rows": 1}  # rows the sparse pass skips
+    masks = {T: make_inputs(seed=170 + T, T=T, **inputs)["completion_mask"] for T in (37, 150)}
+    model = Model(make_inputs(seed=170, **inputs))
     for seed in range(6):
         T = (150, 37)[seed % 2]
-        x = {**make_inputs(seed=170 + seed, T=T), "completion_mask": masks[T]}
+        x = {**make_inputs(seed=170 + seed, T=T, **inputs), "completion_mask": masks[T]}
         out, grads = model.call(loss_fn, x, num_items_in_batch=40 + seed)
         ref, ref_grads = run_reference(x, {"loss_type": "dapo"}, num_items_in_batch=40 + seed)
         assert_matches(out, grads, ref, ref_grads, rtol=2e-5)
