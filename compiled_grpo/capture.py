@@ -11,7 +11,8 @@ later calls copy their tensors into the graph's static inputs and replay. Output
 graph's static buffers, so a result stays valid across later calls; the small ones are written by the graph
 into one buffer per dtype (`StaticOutputs`), so that a replay's results come out in a copy or two rather than
 one per metric. A capture that fails (work that reads the
-host, say) is said once, and that key then runs uncaptured. Graphs share one memory pool (they never run at the
+host, say) is said once, and that key then runs uncaptured; the kept graphs are dropped with the pool the failed
+capture left recording, and later captures start a fresh one. Graphs share one memory pool (they never run at the
 same time); at most `limit` graphs are kept, the least recently used dropped first. For the same reason their
 large buffers share storage: every graph's static input at one position lies on one storage per dtype, and
 so does every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of each, not
@@ -208,6 +209,7 @@ class Captures:
         static = self.static_inputs(tensors)
         graph = torch.cuda.CUDAGraph()
         inside = []  # the error raised inside the capture: the one ending it reports only that capture broke
+        caller_stream = torch.cuda.current_stream()
         try:
             torch.cuda.synchronize()
             with self.recording(), torch.cuda.graph(graph, pool=self.pool):
@@ -217,25 +219,41 @@ class Captures:
                     inside.append(error)
                     raise
         except Exception as error:  # noqa: BLE001 - any failure: run this key uncaptured, say why once
-            self._end_pool_recording(graph)
+            # torch.cuda.graph leaves its capture stream current where its capture_end raised
+            torch.cuda.set_stream(caller_stream)
             torch.cuda.synchronize()
+            self._abandon_pool()
             return self._failed(key, inside[0] if inside else error)
         self.pool = graph.pool() if self.pool is None else self.pool
         entry = self._keep(key, Graph(graph, static, outputs))
         self._measure_pool()
         return entry
 
-    def _end_pool_recording(self, graph) -> None:
-        """After a failed capture, hand the pool back to the allocator if it still records into it: where CUDA ended
-        the capture (an operation a capture cannot hold), torch's capture_end raises before doing so, and every
-        later capture into the pool would then fail ("already recording to mempool_id")."""
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is None:
+    def _abandon_pool(self) -> None:
+        """After a failed capture, start a fresh pool. Where CUDA ended the capture (an operation a capture cannot
+        hold), torch's capture_end raises before it hands the pool back to the allocator, and every later capture
+        into that pool fails ("already recording to mempool_id"); handing it back by hand
+        (`torch._C._cuda_endAllocateToPool`) did not clear that on torch 2.11 (seen on an H200). So the kept graphs
+        are dropped (captured again on their next calls), the failed capture's hold on the old pool released, and
+        the next capture makes a pool of its own, whose id no stale recording names. Failures are said once per
+        reason, so this happens rarely."""
+        old = self.pool
+        self._drop_graphs()
+        if old is None:
             return
-        try:
-            end(torch.cuda.current_device(), self.pool if self.pool is not None else graph.pool())
-        except RuntimeError:  # it was handed back already (a failure that CUDA's capture did not see)
-            pass
+        device = torch.cuda.current_device()
+        for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):  # each may have happened already: no matter
+            hand_back = getattr(torch._C, name, None)
+            if hand_back is not None:
+                with contextlib.suppress(RuntimeError):
+                    hand_back(device, old)
+        torch.cuda.empty_cache()  # the old pool's segments, free once nothing holds it
+
+    def _drop_graphs(self) -> None:
+        """Drop every kept graph and the storages they share; the next capture makes a new pool."""
+        self.graphs.clear()
+        self.storages.clear()
+        self.pool = None
 
     def _measure_pool(self) -> None:
         """The pool's reserved bytes (its segments in the allocator's snapshot) and the static inputs' storages;
@@ -245,9 +263,8 @@ class Captures:
         if self.pool_limit is not None and self.pool_bytes > self.pool_limit:
             self.say(f"the CUDA graphs' memory pool ({self.pool_bytes / 2**30:.2f} GiB) exceeds the workspace budget "
                      f"({self.pool_limit / 2**30:.2f} GiB); calls run uncaptured")  # fmt: skip
-            self.graphs.clear()
-            self.storages.clear()
-            self.pool, self.stopped = None, True
+            self._drop_graphs()
+            self.stopped = True
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
 

@@ -38,6 +38,29 @@ def entropy_threshold(active_entropy: torch.Tensor, q: float, group=None) -> tor
     return linear_quantile(values, 1.0 - q)
 
 
+def masked_linear_quantile(values: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """`torch.quantile(values[keep].float(), p)` bitwise, with no read of the count back to the host (so inside a
+    CUDA graph): the values outside `keep` sort last as +inf, and the ranks come from the count on the device,
+    taken as torch.quantile takes them (float32 p * (n - 1), truncated below and ceiled above, one lerp; NaN
+    among the kept values gives NaN). For at most `TORCH_QUANTILE_LIMIT` values; no kept value gives +inf."""
+    flat, keep = values.reshape(-1).float(), keep.reshape(-1).bool()
+    ordered = torch.where(keep, flat, math.inf).sort().values
+    last = (keep.sum() - 1).clamp(min=0)
+    ranks = torch.full((), p, dtype=torch.float32, device=flat.device) * last.float()
+    below = ranks.long()
+    at = lambda rank: ordered.index_select(0, rank.view(1)).view(())  # a 0-d index would read it back (`.item()`)
+    tau = torch.lerp(at(below), at(ranks.ceil().long()), ranks - below)
+    tau = torch.where(keep.any(), tau, math.inf)
+    return torch.where((flat.isnan() & keep).any(), math.nan, tau)
+
+
+def high_entropy_mask_on_device(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """`high_entropy_mask` of one process, as device work only (`masked_linear_quantile`)."""
+    mask = mask.bool()
+    tau = masked_linear_quantile(entropy.detach(), mask, 1.0 - q)
+    return (entropy.detach() * mask >= tau) & mask
+
+
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, group=None, active=None) -> torch.Tensor:
     """[B,T] bool: the active tokens whose entropy is at least the batch-global (1 - q) quantile. `active`, the
     flat positions of the active tokens where the caller has them, saves a boolean index (a wait on the GPU)."""

@@ -439,14 +439,17 @@ WHOLE_FORWARD_SETTINGS = [
     ("memory", {"loss_type": "vespo"}, {"adv_shape": "BT"}),
     ("sparse", {"loss_type": "bnpo"}, {"zero_advantage_rows": 1}),
     ("sparse", {"loss_type": "dapo", "off_policy_mask_threshold": 0.5}, {"zero_advantage_rows": 2}),
+    # the entropy threshold taken inside the graph
+    ("sparse", {"loss_type": "dapo", "top_entropy_quantile": 0.5}, {"zero_advantage_rows": 1}),
+    ("memory", {"loss_type": "grpo", "top_entropy_quantile": 0.2, "beta": 0.04}, {"ref": True}),
 ]
 
 
 @pytest.mark.parametrize("schedule, settings, inputs", WHOLE_FORWARD_SETTINGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
 def test_the_whole_forward_is_one_replay(schedule, settings, inputs, dtype, monkeypatch):
-    """Without an entropy threshold, a captured memory or sparse call's forward (gather, statistics, objective and
-    its gradients, metrics) is one graph and its backward the schedule's gradient pass: the reference's values in
+    """A captured memory or sparse call's forward (gather, statistics, the entropy threshold, objective and its
+    gradients, metrics) is one graph and its backward the schedule's gradient pass: the reference's values in
     float64, bitwise the same work run uncaptured in bf16, and two replays per call once captured."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
     captured, plain = captured_and_plain(schedule, settings)
@@ -462,6 +465,8 @@ def test_the_whole_forward_is_one_replay(schedule, settings, inputs, dtype, monk
         else:
             same, same_grads = model.call(plain, x, num_items_in_batch=60 + seed)
             assert torch.equal(out.loss, same.loss) and torch.equal(out.per_token_logps, same.per_token_logps)
+            assert (out.entropy_mask is None) == (same.entropy_mask is None) == ("top_entropy_quantile" not in settings)
+            assert out.entropy_mask is None or torch.equal(out.entropy_mask, same.entropy_mask)
             assert all(torch.equal(out.metrics[k], same.metrics[k]) for k in same.metrics)
             assert all(torch.equal(grads[k], same_grads[k]) for k in grads)
     assert "whole forward" in graph_names(captured.captures)

@@ -38,3 +38,33 @@ def test_mask_keeps_ties_and_padding_out():
 def test_no_active_token_gives_an_empty_mask():
     got = quantile.high_entropy_mask(torch.rand(2, 3), torch.zeros(2, 3), q=0.2)
     assert not got.any()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2, 0.5, 0.8, 0.999, 1.0])
+def test_device_quantile_is_torch_quantile_bitwise(p):
+    """The threshold a captured call takes with the count on the device: bitwise torch.quantile of the kept values,
+    at random sizes, with ties, one kept value, NaN among the kept values, and none kept (+inf: nothing is >= it)."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(200):
+        n = int(torch.randint(1, 400, (1,), generator=g))
+        values = torch.randn(n, generator=g, dtype=torch.float64 if trial % 5 == 0 else torch.float32)
+        if trial % 3 == 0:
+            values = (values * 3).round() / 3  # ties
+        keep = torch.rand(n, generator=g) < [0.0, 1.0 / n, 0.5, 1.0][trial % 4]
+        if trial % 13 == 0:
+            values[keep.nonzero()[:1]] = float("nan")
+        got = quantile.masked_linear_quantile(values, keep, p)
+        if not keep.any():
+            assert got == float("inf")
+            continue
+        expected = torch.quantile(values[keep].float(), p)
+        assert got.dtype == torch.float32 and (torch.equal(got, expected) or (got.isnan() and expected.isnan()))
+
+
+def test_device_mask_equals_the_mask():
+    entropy = torch.rand(4, 37, generator=torch.Generator().manual_seed(3))
+    entropy[:, ::5] = 0.5  # ties at the threshold
+    mask = torch.rand(4, 37, generator=torch.Generator().manual_seed(4)) < 0.7
+    for q in (0.2, 0.5, 0.8):
+        expected = quantile.high_entropy_mask(entropy, mask.float(), q)
+        assert torch.equal(quantile.high_entropy_mask_on_device(entropy, mask.float(), q), expected)

@@ -7,10 +7,10 @@ to [B, T], the objective's and the metrics' graphs around it; in a step bound by
 launches are what the step waits on. The backward pushes the per-slot gradients (times the incoming one) through
 the schedule's own gradient pass, itself a replay (`memory.StatisticsThenRecompute.gradients`, the sparse one's).
 
-Applies where calls are captured (`capture.capturable`), the call is differentiable, and there is no entropy
-threshold: its quantile is taken over the active tokens, a set whose size only the host knows (the statistics-pass
-replay serves those calls). Values are bitwise those of the same work run uncaptured on the same layout
-(completion lengths bucketed as `capture.pad_call` says).
+Applies where calls are captured (`capture.capturable`) and the call is differentiable. The entropy threshold of
+`top_entropy_quantile < 1` is taken inside the graph too: its quantile over the active tokens, whose count only
+the device holds there, is `quantile.masked_linear_quantile` (bitwise torch.quantile's). Values are bitwise those
+of the same work run uncaptured on the same layout (completion lengths bucketed as `capture.pad_call` says).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import capture, streaming, tiling
+from .. import capture, quantile, streaming, tiling
 from ..head import Head
 from ..inputs import LossInputs
 from ..streaming import RowGradients
@@ -31,7 +31,8 @@ from .speed import FlatStatistics, scatter_rows
 
 def applies(engine: Engine, objective, head: Head) -> bool:
     hidden = objective.inputs.hidden
-    return (capture.capturable(engine, objective) and not objective.cfg.uses_entropy_mask
+    small = objective.inputs.completion_mask.numel() <= quantile.TORCH_QUANTILE_LIMIT  # the threshold's one form
+    return (capture.capturable(engine, objective) and (small or not objective.cfg.uses_entropy_mask)
             and objective.sequence_slices is None and passes.differentiable(hidden, head))  # fmt: skip
 
 
@@ -50,28 +51,34 @@ def run(function, engine: Engine, objective, head: Head, plan: TilePlan):
         with torch.no_grad():  # as every capture runs it (`capture.Captures.run`), here for a work run directly too
             return forward_work(engine, *batch.rebuilt(tensors, laid_out, head, padded))
 
-    value, metrics, logp, entropy, per_slot = engine.captures.run(key, work, batch.tensors)
+    value, metrics, logp, entropy, entropy_mask, per_slot = engine.captures.run(key, work, batch.tensors)
     template = head._replace(weight=None, bias=None)
     setup = memory.Recompute(engine, None, plan.tiles, template, active_rows=plan.active.numel(),
                              gradients=function.gradients)  # fmt: skip
     loss = LossOfSlots.apply(value, inputs.hidden, head.weight, head.bias, per_slot, Backward(setup, plan, inputs))
-    return loss, metrics, capture.unpad(logp, T), capture.unpad(entropy, T), None
+    entropy_mask = None if entropy_mask is None else capture.unpad(entropy_mask, T)
+    return loss, metrics, capture.unpad(logp, T), capture.unpad(entropy, T), entropy_mask
 
 
 def forward_work(engine: Engine, objective, head: Head, plan: TilePlan):
-    """(loss value, metrics, logp [B, T], entropy [B, T], per slot (lse, entropy, d loss / d logp,
-    d loss / d entropy or None)): device work only, reading the plan's slots (not its active positions)."""
+    """(loss value, metrics, logp [B, T], entropy [B, T], the entropy mask [B, T] or None, per slot (lse, entropy,
+    d loss / d logp, d loss / d entropy or None)): device work only, reading the plan's slots (not its active
+    positions)."""
     inputs = objective.inputs
     slots = passes.gather_slots(inputs.hidden, inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
     logp_s, entropy_s, lse_s = passes.statistics_pass(engine, slots.x, slots.targets, head, plan.tiles)
     flat = FlatStatistics(inputs.completion_ids.numel(), logp_s.dtype, logp_s.device)
     flat.write(flat.destinations(plan), logp_s, entropy_s)
     logp, entropy = flat.view(inputs.completion_mask.shape)
+    mask, entropy_mask, em = objective.batch.mask, None, None
+    if objective.cfg.uses_entropy_mask:
+        entropy_mask = quantile.high_entropy_mask_on_device(entropy, mask, objective.cfg.top_entropy_quantile)
+        em = entropy_mask.to(mask.dtype)
     compiled = passes.compiles_objective(engine, inputs.hidden)
-    value, metrics, g_logp, g_entropy = objective.value_metrics_and_gradients(logp, entropy, compiled=compiled)
+    value, metrics, g_logp, g_entropy = objective.value_metrics_and_gradients(logp, entropy, em, compiled=compiled)
     # what the upstream gradient of each slot would be: 0 at padding slots, as from the scatter's backward
     per_slot = lambda g: None if g is None else tiling.to_slots(g.reshape(-1), plan, fill=0.0)
-    return value, metrics, logp, entropy, (lse_s, entropy_s, per_slot(g_logp), per_slot(g_entropy))
+    return value, metrics, logp, entropy, entropy_mask, (lse_s, entropy_s, per_slot(g_logp), per_slot(g_entropy))
 
 
 @dataclass(frozen=True)
