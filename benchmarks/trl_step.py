@@ -103,7 +103,10 @@ TRAINERS = {  # name: (trainer, its options)
     # and with 4096-entry vocabulary slices in the gradient pass: half its [token_tile, vocab_tile] logits
     "captured-small": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256, "vocab_tile": 4096}}),
     # captured on the uncaptured calls' tiles (1024-row statistics, 8192-entry slices): a larger pool, fewer kernels
-    "captured-large": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 1024, "vocab_tile": 8192}}),
+    "captured-large": (
+        CompiledGRPOTrainer,
+        {"loss_options": {"capture": True, "stats_rows": 1024, "vocab_tile": 8192}},
+    ),  # fmt: skip
     # and with a 128-row statistics pass and 4096-token gradient-pass tiles: half the default captured workspace
     "captured-smaller": (
         CompiledGRPOTrainer,
@@ -130,7 +133,8 @@ LABELS = {
     "captured-stats512": "CompiledGRPOTrainer auto, captured calls, 512-row statistics pass",
     "captured-stats256": "CompiledGRPOTrainer auto, captured calls, 256-row statistics pass",
     "captured-small": "CompiledGRPOTrainer auto, captured calls, 256-row statistics, 4096-entry vocabulary slices",
-    "captured-large": "CompiledGRPOTrainer auto, captured calls on the uncaptured tiles (1024-row statistics, 8192-entry slices)",
+    "captured-large": "CompiledGRPOTrainer auto, captured calls on the uncaptured tiles (1024-row statistics, "
+    "8192-entry slices)",
     "captured-smaller": "CompiledGRPOTrainer auto, captured calls, 128-row statistics, 4096-token gradient tiles",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
