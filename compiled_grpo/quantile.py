@@ -57,7 +57,11 @@ def masked_linear_quantile(values: torch.Tensor, keep: torch.Tensor, p: float) -
 def high_entropy_mask_on_device(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
     """`high_entropy_mask` of one process, as device work only (`masked_linear_quantile`)."""
     mask = mask.bool()
-    tau = masked_linear_quantile(entropy.detach(), mask, 1.0 - q)
+    return at_least(entropy, mask, masked_linear_quantile(entropy.detach(), mask, 1.0 - q))
+
+
+def at_least(entropy: torch.Tensor, mask: torch.Tensor, tau) -> torch.Tensor:
+    """[B,T] bool: the active tokens (`mask`, bool) whose entropy is at least `tau` (TRL's comparison)."""
     return (entropy.detach() * mask >= tau) & mask
 
 
@@ -69,4 +73,4 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, group
     tau = entropy_threshold(values, q, group)
     if tau is None:
         return torch.zeros_like(mask)
-    return (entropy.detach() * mask >= tau) & mask
+    return at_least(entropy, mask, tau)
