@@ -61,8 +61,9 @@ def high_entropy_mask_on_device(entropy: torch.Tensor, mask: torch.Tensor, q: fl
 
 
 def at_least(entropy: torch.Tensor, mask: torch.Tensor, tau) -> torch.Tensor:
-    """[B,T] bool: the active tokens (`mask`, bool) whose entropy is at least `tau` (TRL's comparison)."""
-    return (entropy.detach() * mask >= tau) & mask
+    """[B,T] bool: the active tokens (`mask`, bool) whose entropy is at least `tau` (TRL's comparison, on float32
+    entropies as TRL's head returns them: float64 ones compared with a float32 tau would drop the tied token)."""
+    return (entropy.detach().float() * mask >= tau) & mask
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, group=None, active=None) -> torch.Tensor:

@@ -104,7 +104,9 @@ def grpo_objective(
     entropy_mask_override=None,
     **settings,
 ) -> ReferenceOutput:
-    """The loss from per-token log-probs and entropies [B,T] (differentiable), no lm_head involved.
+    """The loss from per-token log-probs and entropies [B,T] (differentiable), no lm_head involved. Everything is
+    float64 except the entropy mask's comparison, which reads the entropies as float32 as TRL's runs do
+    (`objective.high_entropy_mask`: ties at the threshold kept).
 
     `entropy_mask_override` ([B,T] bool) replaces the computed top-entropy mask: the audit uses it to compare a
     low-precision run whose entropies legitimately fell on the other side of the threshold."""

@@ -39,13 +39,19 @@ def entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> to
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor | None:
-    """mask_H = (H * m >= tau) & m: the top-q highest-entropy active tokens (ties kept); None when q = 1."""
+    """mask_H = (H * m >= tau) & m: the top-q highest-entropy active tokens (ties kept); None when q = 1.
+
+    The comparison, like the threshold, reads the entropies as float32: TRL's head returns float32 entropies, so
+    in its runs the token whose entropy the quantile lands on equals tau and is kept. Comparing the float64
+    entropies against a float32 tau would drop that token whenever its float64 value lies below its rounding
+    (about half the time). Everything else in the reference stays float64."""
     if q >= 1.0:
         return None
     tau = entropy_threshold(entropy, mask, q)
     if tau is None:
         return torch.zeros_like(mask)
-    return ((entropy.detach() * mask >= tau) & mask).to(mask.dtype)
+    as_trl = entropy.detach().float() * mask.float()
+    return ((as_trl >= tau) & mask).to(mask.dtype)
 
 
 def off_policy_keep(advantages, logp, sampling_logp, mask, threshold: float) -> torch.Tensor:
