@@ -13,7 +13,7 @@ Completion lengths per batch (TRL pads a batch to its longest completion, capped
   cycle4: the four micro-batches of `benchmarks.trl_step --batches varied`, taking turns.
 
     python -m benchmarks.capture_layouts [--steps 500] [--batch 8] [--max-length 1024] [--limits 16,64]
-        [--out docs/benchmarks/capture/layouts]
+        [--out docs/benchmarks/archive/capture/layouts]
 """
 
 from __future__ import annotations

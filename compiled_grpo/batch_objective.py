@@ -6,37 +6,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from . import distributed, objectives
 from .config import CLIPPED_LOSSES, TOKEN_COUNT_NORMALIZED, GRPOLossConfig
 from .objectives import Batch, Normalizers, bonus_of_rows, per_token_loss, reduce_rows
-
-
-@dataclass(frozen=True)
-class Step:
-    """Where a micro-batch sits in training: the normalizers' context and the (per-call) entropy coefficient."""
-
-    gradient_accumulation_steps: int = 1
-    steps_per_generation: int | None = None  # None: gradient_accumulation_steps
-    num_items_in_batch: int | float | torch.Tensor | None = None  # None: spg x this micro-batch's active tokens
-    num_processes: int = 1
-    entropy_coef: float | torch.Tensor = 0.0
-
-    @property
-    def gas(self) -> int:
-        return self.gradient_accumulation_steps
-
-    @property
-    def spg(self) -> int:
-        return self.gas if self.steps_per_generation is None else self.steps_per_generation
-
-    @property
-    def bonus_on(self) -> bool:
-        """Whether the entropy bonus may be non-zero (a tensor coefficient is not read back to find out)."""
-        return not (isinstance(self.entropy_coef, float) and self.entropy_coef == 0.0)
+from .step import Step
 
 
 # ---------------------------------------------------------------- metrics

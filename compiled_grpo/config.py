@@ -39,6 +39,8 @@ class GRPOLossConfig:
     final_logit_softcapping: float | None = None
 
     def __post_init__(self):
+        for f in fields(self):  # a one-element tensor given for a number means that number
+            object.__setattr__(self, f.name, as_number(f.name, getattr(self, f.name)))
         validate_settings(self)
 
     @property
@@ -60,6 +62,19 @@ class GRPOLossConfig:
 
 
 SETTING_NAMES = tuple(f.name for f in fields(GRPOLossConfig))
+
+
+def as_number(name: str, value):
+    """`value`, or the number a one-element tensor holds (a setting is one value for every token: a per-token or
+    per-sequence temperature belongs to `fused_linear_logprobs`)."""
+    if not hasattr(value, "numel") or not hasattr(value, "item"):
+        return value
+    if value.numel() != 1:
+        raise ValueError(
+            f"{name} must be one number (a float, or a one-element tensor), got a tensor of shape "
+            f"{tuple(value.shape)}; a per-token temperature is fused_linear_logprobs' (temperature=)"
+        )
+    return value.item()
 
 
 def _require(ok: bool, name: str, why: str) -> None:

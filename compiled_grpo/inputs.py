@@ -58,6 +58,13 @@ class LossInputs:
                                        ref_hidden=as_padded(self.ref_hidden))  # fmt: skip
         return dataclasses.replace(self, **per_target, hidden_rows=packing.rows)
 
+    def with_row_advantages(self) -> LossInputs:
+        """[B, 1] advantages (TRL's layout) as [B], the same values per sequence; T = 1 keeps them per token."""
+        adv = self.advantages
+        if self.packed or adv.dim() != 2 or adv.shape[1] != 1 or self.completion_mask.shape[1] == 1:
+            return self
+        return dataclasses.replace(self, advantages=adv.reshape(-1))
+
     def with_constants_detached(self) -> LossInputs:
         """The advantages, the old, reference and sampling log-probs and the IS ratio detached: the loss treats them
         as constants on every schedule, as TRL does (it computes them without gradient). A tensor that carries a

@@ -39,11 +39,17 @@ def notice_compiling() -> None:
         )
 
 
+# Frames a warning skips to reach the user's line: this package's, and torch's (a call through an autograd Function
+# runs this package's forward from torch/autograd/function.py, which would otherwise be named).
+SKIPPED_PACKAGES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                         for m in (sys.modules[__package__], torch))  # fmt: skip
+
+
 def frames_to_caller() -> int:
-    """warnings' stacklevel of the first frame outside this package (the user's call), counted from the caller."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    """warnings' stacklevel of the first frame outside this package and torch (the user's call), counted from the
+    caller."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(SKIPPED_PACKAGES):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import capture, distributed, faults, schedules, sequence_parallel, validation
-from .batch_objective import Objective, Step
+from . import capture, distributed, faults, options, schedules, sequence_parallel, validation
+from .batch_objective import Objective
 from .capture import Captures
 from .config import SETTING_NAMES, GRPOLossConfig
 from .faults import Deferred, Faults
@@ -28,8 +28,9 @@ from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels
 from .packing import lay_out
-from .schedules import SCHEDULES, passes
-from .tiling import DEFAULT_WORKSPACE_BYTES, TILE_NAMES, Tiles
+from .schedules import passes
+from .step import Step, add_step_faults, make_step
+from .tiling import DEFAULT_WORKSPACE_BYTES, Tiles
 
 
 @dataclass
@@ -79,37 +80,26 @@ class FusedLinearGRPOLoss:
     ):
         validation.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
         self.config = GRPOLossConfig(**settings)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if schedule == "speed" and self.config.uses_entropy_mask:
-            raise ValueError(
-                "schedule='speed' cannot be used with top_entropy_quantile < 1: the entropy threshold needs every "
-                "token's entropy before any gradient can be formed; use schedule='sparse' (or 'auto')"
-            )
-        knobs = dict(zip(TILE_NAMES, (token_tile, tail_tile, vocab_tile, stats_rows, speed_tile, speed_group,
-                                      sparse_tile), strict=True))  # fmt: skip
-        for name, v in knobs.items():
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self.schedule, self.validate = schedule, validate
-        self.tile_overrides = {k: v for k, v in knobs.items() if v is not None}
-        self.logits_budget_bytes = logits_budget_bytes
-        if sequence_parallel_group is not None and (vocab_parallel_group is not None or schedule == "speed"):
-            raise ValueError("sequence_parallel_group: not with a vocab_parallel_group, nor with "
-                             "schedule='speed' (its tiles need every token of a sequence)")  # fmt: skip
+        options.check_schedule(schedule, self.config)
+        options.check_flags(compiled=compiled, validate=validate, capture=capture, round_logits=round_logits)
+        options.check_groups(schedule, vocab_parallel_group, sequence_parallel_group)
+        self.schedule, self.validate, self.round_logits = schedule, validate, round_logits
+        self.tile_overrides = options.tile_overrides(
+            token_tile=token_tile, tail_tile=tail_tile, vocab_tile=vocab_tile, stats_rows=stats_rows,
+            speed_tile=speed_tile, speed_group=speed_group, sparse_tile=sparse_tile,
+        )  # fmt: skip
+        self.logits_budget_bytes = options.check_budget(logits_budget_bytes)
         # Vocabulary- and sequence-parallel ranks hold the same sequences: their batch reductions stay local unless a
         # data-parallel group is given.
         if process_group is None and (vocab_parallel_group is not None or sequence_parallel_group is not None):
             process_group = distributed.LOCAL
-        self.sequence_group = sequence_parallel_group
-        self.process_group = process_group
+        self.sequence_group, self.process_group = sequence_parallel_group, process_group
         self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
         self.kernels = Kernels(compiled)
         # On a GPU, the schedules' passes, the memory and sparse forward and the value checks as CUDA graph replays
         # (`capture.Captures`); elsewhere, as without it
         self.captures = Captures() if capture else None
         self.deferred = Deferred()  # value checks of earlier calls not yet read (`check`)
-        self.round_logits = round_logits
 
     def __call__(
         self,
@@ -148,50 +138,39 @@ class FusedLinearGRPOLoss:
         each sequence left-aligned in its own row; outputs come back per token."""
         validation.unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
         given = LossInputs(
-            hidden,
-            weight,
-            completion_ids,
-            completion_mask,
-            advantages,
-            bias=bias,
-            old_per_token_logps=old_per_token_logps,
-            ref_per_token_logps=ref_per_token_logps,
-            sampling_per_token_logps=sampling_per_token_logps,
-            importance_sampling_ratio=importance_sampling_ratio,
-            ref_hidden=ref_hidden,
-            ref_weight=ref_weight,
-            ref_bias=ref_bias,
-        ).with_constants_detached()
+            hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
+            old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
+            sampling_per_token_logps=sampling_per_token_logps, importance_sampling_ratio=importance_sampling_ratio,
+            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
+        ).with_constants_detached()  # fmt: skip
         validation.check_devices(given)
-        if segment_ids is not None and self.sequence_group is not None:
-            raise ValueError("segment_ids: a packed call does not take a sequence_parallel_group; pass each rank's "
-                             "slice of the padded [B, T] batch")  # fmt: skip
-        inputs, packing = lay_out(given, (segment_ids, num_sequences, row_index), self.validate)
-        inputs = inputs.under_autocast()
-        if gradient_accumulation_steps <= 0 or (steps_per_generation is not None and steps_per_generation <= 0):
-            raise ValueError("gradient_accumulation_steps and steps_per_generation must be positive")
-        cfg = self.config
-        step = Step(
-            gradient_accumulation_steps,
-            steps_per_generation,
-            num_items_in_batch,
-            distributed.world_size(self.process_group) if num_processes is None else num_processes,
-            cfg.entropy_coef if entropy_coef is None else entropy_coef,
-        )
+        inputs, packing = self._laid_out(given, segment_ids, num_sequences, row_index)
+        processes = distributed.world_size(self.process_group) if num_processes is None else num_processes
+        coef = self.config.entropy_coef if entropy_coef is None else entropy_coef
+        step = make_step(gradient_accumulation_steps, steps_per_generation, num_items_in_batch, processes, coef)
+        shard = VocabShard(self.vocab_group, options.check_vocab_start(vocab_start, self.vocab_group))
         device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
         with torch.autocast(device_type, enabled=False):
-            out = self._loss(inputs, step, VocabShard(self.vocab_group, vocab_start))
+            out = self._loss(inputs, step, shard)
         if packing is None:
             return out
         packed = map(packing.pack, (out.per_token_logps, out.entropy, out.entropy_mask))
         return GRPOLossOutput(out.loss, out.metrics, *packed, schedule=out.schedule)
+
+    def _laid_out(self, given: LossInputs, segment_ids, num_sequences, row_index):
+        """(the inputs in the padded layout and under autocast, the `packing.Packing` of a packed call or None)."""
+        if segment_ids is not None and self.sequence_group is not None:
+            raise ValueError("segment_ids: a packed call does not take a sequence_parallel_group; pass each rank's "
+                             "slice of the padded [B, T] batch")  # fmt: skip
+        inputs, packing = lay_out(given, (segment_ids, num_sequences, row_index), self.validate)
+        return inputs.under_autocast(), packing
 
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
         if captures is not None:  # the graphs' pool counts against the workspace budget (`capture.Captures`)
             captures.pool_limit = self.logits_budget_bytes
         checks = capture.checks_captures(captures, inputs)
-        inputs, value_faults = self._checked(inputs, checks)
+        inputs, value_faults = self._checked(inputs, step, checks)
         tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
@@ -210,10 +189,11 @@ class FusedLinearGRPOLoss:
             self._check_statistics(inputs, out, checks)
         return out
 
-    def _checked(self, inputs: LossInputs, captures: Captures | None) -> tuple[LossInputs, Faults]:
+    def _checked(self, inputs: LossInputs, step: Step, captures: Captures | None) -> tuple[LossInputs, Faults]:
         """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started
-        (with `captures`, computed by a CUDA graph replay); DTensor weights gathered."""
+        (with `captures`, computed by a CUDA graph replay); DTensor weights gathered; [B, 1] advantages as [B]."""
         validation.check_shapes(inputs)
+        inputs = inputs.with_row_advantages()
         no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
         if self.config.beta != 0.0 and no_reference:
             raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
@@ -223,7 +203,7 @@ class FusedLinearGRPOLoss:
         vocab = inputs.weight.shape[0]
         if self.vocab_group is not distributed.LOCAL:
             vocab = int(distributed.all_sum(torch.tensor(vocab, device=inputs.weight.device), self.vocab_group))
-        return inputs, validation.value_faults(inputs, vocab, captures).issue()
+        return inputs, add_step_faults(validation.value_faults(inputs, vocab, captures), step).issue()
 
     def _check_statistics(self, inputs: LossInputs, out: GRPOLossOutput, captures: Captures | None) -> None:
         """Finite statistics at active positions: now on a CPU; on a GPU read at the next call or by `check()`."""

@@ -59,8 +59,8 @@ def check_shapes(inputs) -> None:
             _fail(name, f"expected [{B}, {T}] like hidden's first two dimensions, got {tuple(x.shape)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         _fail("completion_ids", f"expected an integer dtype, got {ids.dtype}", TypeError)
-    if advantages.shape not in ((B,), (B, T)):
-        _fail("advantages", f"expected [{B}] or [{B}, {T}], got {tuple(advantages.shape)}")
+    if advantages.shape not in ((B,), (B, 1), (B, T)):
+        _fail("advantages", f"expected [{B}], [{B}, 1] or [{B}, {T}], got {tuple(advantages.shape)}")
     for name, x in inputs.per_token().items():
         if x is not None:
             _is_tensor(x, name)

@@ -397,3 +397,68 @@ def test_sequence_parallel_refusals():
     args = [packed.pop(k) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
     with pytest.raises(ValueError, match="segment_ids: a packed call does not take a sequence_parallel_group"):
         loss_fn(*args, **packed)
+
+
+@pytest.mark.parametrize(
+    "overrides, name, error",
+    [
+        ({"entropy_coef": math.nan}, "entropy_coef", ValueError),
+        ({"entropy_coef": math.inf}, "entropy_coef", ValueError),
+        ({"entropy_coef": "0.1"}, "entropy_coef", TypeError),
+        ({"entropy_coef": torch.tensor([0.1, 0.2])}, "entropy_coef", ValueError),
+        ({"entropy_coef": torch.tensor(1)}, "entropy_coef", TypeError),
+        ({"entropy_coef": torch.tensor(math.nan)}, "entropy_coef", ValueError),
+        ({"num_items_in_batch": -5}, "num_items_in_batch", ValueError),
+        ({"num_items_in_batch": math.nan}, "num_items_in_batch", ValueError),
+        ({"num_items_in_batch": torch.tensor(-5.0)}, "num_items_in_batch", ValueError),
+        ({"num_items_in_batch": torch.tensor([3, 4])}, "num_items_in_batch", ValueError),
+        ({"num_items_in_batch": "12"}, "num_items_in_batch", TypeError),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps", ValueError),
+        ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps", TypeError),
+        ({"steps_per_generation": -1}, "steps_per_generation", ValueError),
+        ({"num_processes": 0}, "num_processes", ValueError),
+        ({"vocab_start": 10}, "vocab_start", ValueError),
+        ({"vocab_start": -1}, "vocab_start", ValueError),
+        ({"vocab_start": 1.0}, "vocab_start", TypeError),
+    ],
+)
+def test_bad_call_arguments_name_the_argument(overrides, name, error):
+    """Per-call numbers (given as Python numbers or one-element tensors) are checked like the tensors."""
+    x = make_inputs(dtype=torch.float32)
+    with pytest.raises(error, match=name):
+        call(x, **overrides)
+
+
+@pytest.mark.parametrize(
+    "options, name, error",
+    [
+        ({"logits_budget_bytes": -1}, "logits_budget_bytes", ValueError),
+        ({"logits_budget_bytes": 1.5e9}, "logits_budget_bytes", TypeError),
+        ({"compiled": "no"}, "compiled", TypeError),
+        ({"validate": 0}, "validate", TypeError),
+        ({"capture": None}, "capture", TypeError),
+        ({"round_logits": "yes"}, "round_logits", TypeError),
+        ({"temperature": torch.tensor([0.7, 0.8])}, "temperature", ValueError),
+    ],
+)
+def test_bad_constructor_options_name_the_option(options, name, error):
+    with pytest.raises(error, match=name):
+        FusedLinearGRPOLoss(**options)
+
+
+def test_a_one_element_tensor_setting_means_its_number():
+    assert FusedLinearGRPOLoss(temperature=torch.tensor(0.5)).config.temperature == 0.5
+    assert FusedLinearGRPOLoss(epsilon_low=torch.tensor([0.25])).config.epsilon_low == 0.25
+
+
+def test_row_advantages_as_b1_equal_b():
+    """[B, 1] advantages (TRL's own layout) give the [B] call's loss, gradients and metrics, on every schedule."""
+    x = make_inputs(dtype=torch.float64)
+    for schedule in ("memory", "speed", "sparse"):
+        loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, loss_type="grpo", **TILES)
+        out_b, grads_b = run_fused(loss_fn, x)
+        out_b1, grads_b1 = run_fused(loss_fn, {**x, "advantages": x["advantages"].unsqueeze(1)})
+        assert torch.equal(out_b.loss, out_b1.loss)
+        assert out_b.metrics.keys() == out_b1.metrics.keys()
+        for k, g in grads_b.items():
+            assert torch.equal(g, grads_b1[k]), (schedule, k)
