@@ -28,10 +28,7 @@ import torch
 
 import reference
 from benchmarks import plots, unsloth_head
-from benchmarks.rows import gradient_rows
-from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, logprobs
-from compiled_grpo.capture import Captures
-from compiled_grpo.tiling import DEFAULT_WORKSPACE_BYTES
+from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, primitive_captures
 
 
 @dataclass(frozen=True)
@@ -168,14 +165,14 @@ def primitive(**options):
     def make(shape, x):
         targets = torch.where(x["mask"].bool(), x["ids"], -100)
         if options.get("capture"):  # graphs of this method alone in the primitive's process-wide set
-            logprobs.PRIMITIVE_CAPTURES = Captures(pool_limit=DEFAULT_WORKSPACE_BYTES)
+            primitive_captures(reset=True)
 
         def head(hidden, weight):
             return fused_linear_logprobs(hidden, weight, targets, validate=False, **options)
 
         run = head_then_loss(head, shape, x)
         if options.get("capture"):
-            run.graph_pool_bytes = lambda: logprobs.PRIMITIVE_CAPTURES.pool_bytes
+            run.graph_pool_bytes = lambda: primitive_captures().pool_bytes
         return run
 
     return make
@@ -367,11 +364,6 @@ def run_shape(shape: Shape, repeats: int) -> list[dict]:
                 row["status"] = "ok"
                 if hasattr(run, "graph_pool_bytes"):  # reserved before the measured calls: not in their peak
                     row["graph_pool_gib"] = run.graph_pool_bytes() / 2**30
-                if name.startswith("compiled_grpo"):
-                    with gradient_rows() as counts:
-                        run()
-                    row["gradient_rows"] = sum(counts)
-                    x["weight"].grad = None
         except torch.OutOfMemoryError:
             row["status"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - report, never drop silently
@@ -403,27 +395,24 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         "Shapes: S1 B=8 T=1024 (all active); S2 B=16 T=1024, lengths uniform in [1, 1024]; S3 B=4 T=8192; "
         "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight; -half0: "
         "every other group of 4 sequences at advantage 0; H896 and H1536: S1 with hidden size 896 (Qwen2.5-0.5B's "
-        "head) and 1536 (1.5B's); H8192: B=4 T=8192 with H=8192 and V=128256 (a 70B-class head). "
-        "`gradient rows`: the tokens that went through the "
-        "gradient pass (the baselines: every active token).",
+        "head) and 1536 (1.5B's); H8192: B=4 T=8192 with H=8192 and V=128256 (a 70B-class head).",
         "",
     ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         lines += [f"## {shape} ({next(r['tokens'] for r in rows if r['shape'] == shape)} active tokens)", ""]
         lines += [
-            "| method | time (ms) | / floor | / TRL | peak memory (GiB) | gradient rows |",
-            "|---|---|---|---|---|---|",
+            "| method | time (ms) | / floor | / TRL | peak memory (GiB) |",
+            "|---|---|---|---|---|",
         ]
         for r in (r for r in rows if r["shape"] == shape):
             if "ms" in r:
                 trl = f"{r['x_trl']:.2f}" if r.get("x_trl") else "-"
-                grows = r.get("gradient_rows", "-")
                 peak = f"{r['peak_gib']:.2f}" + (
                     f" + graph pool {r['graph_pool_gib']:.2f}" if "graph_pool_gib" in r else ""
                 )
-                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {peak} | {grows} |")
+                lines.append(f"| {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | {trl} | {peak} |")
             else:
-                lines.append(f"| {r['method']} | {r['status']} | | | | |")
+                lines.append(f"| {r['method']} | {r['status']} | | | |")
         lines.append("")
     lines += ["![time and peak memory per shape and method](gpu.png)", ""]
     (out / "gpu.md").write_text("\n".join(lines))

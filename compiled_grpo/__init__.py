@@ -2,7 +2,7 @@
 
 from .config import LOSS_TYPES, GRPOLossConfig
 from .kernels import CompilingNotice
-from .logprobs import LogProbs, fused_linear_logprobs
+from .logprobs import LogProbs, fused_linear_logprobs, primitive_captures
 from .loss import FusedLinearGRPOLoss, GRPOLossOutput, fused_linear_grpo_loss
 
 __version__ = "0.3.0"
@@ -15,4 +15,5 @@ __all__ = [
     "LogProbs",
     "fused_linear_grpo_loss",
     "fused_linear_logprobs",
+    "primitive_captures",
 ]

@@ -24,14 +24,14 @@ once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import traceback
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
-from torch.utils import _pytree as pytree
+
+from .capture_outputs import PACKED_NUMEL, Packed, StaticOutputs  # noqa: F401 - StaticOutputs is part of this API
 
 SEEN_LIMIT = 4096  # keys remembered as seen once
 # Graphs kept at most. A training run's layouts (completion lengths bucketed to 128, slots to 512) need 30-40 graphs;
@@ -51,101 +51,14 @@ class Graph:
     outputs: StaticOutputs | None  # the static outputs it writes
 
 
-# Outputs of at most this many elements share one static buffer per dtype (metrics, per-token values); larger
-# ones (a gradient pass's dW, dX) are copied out on their own, so packing never adds a copy of a large tensor.
-PACKED_NUMEL = 1 << 18
+class SharedStorages:
+    """The storages that every graph's large buffers of one role lie on (graphs never run at the same time, each
+    replay's inputs are copied in right before it and its outputs copied out right after it), and the span of a
+    capture (`recording`), inside which the work writes its large outputs there (`shared_output`)."""
 
-
-@dataclass(frozen=True)
-class Packed:
-    """Where a small output lies: the next slice of one of `StaticOutputs.buffers`."""
-
-    buffer: int
-    shape: torch.Size
-
-
-@dataclass
-class StaticOutputs:
-    """A graph's outputs (a pytree): each small tensor a slice of one buffer per dtype and device, which the
-    graph writes (`of`, called inside the capture), the large ones and non-tensors as they are."""
-
-    spec: object  # the pytree's structure
-    leaves: list  # a leaf (a large tensor, a non-tensor) or `Packed`
-    buffers: list
-
-    @classmethod
-    def of(cls, outputs) -> StaticOutputs:
-        leaves, spec = pytree.tree_flatten(outputs)
-        groups: dict = {}
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.numel() <= PACKED_NUMEL:
-                groups.setdefault((t.dtype, t.device), []).append(i)
-        buffers = []
-        for members in groups.values():
-            buffers.append(torch.cat([leaves[i].reshape(-1) for i in members]))
-            for i in members:
-                leaves[i] = Packed(len(buffers) - 1, leaves[i].shape)
-        return cls(spec, leaves, buffers)
-
-    def tensors(self) -> list:
-        """Every static tensor the graph writes."""
-        return self.buffers + [t for t in self.leaves if isinstance(t, torch.Tensor)]
-
-    def copied(self):
-        """The outputs, copied out of the static buffers (one copy per buffer and per large tensor)."""
-        parts = [iter(b.clone().split(sizes)) for b, sizes in zip(self.buffers, self.sizes(), strict=True)]
-
-        def leaf(v):
-            if isinstance(v, Packed):
-                part = next(parts[v.buffer])
-                return part if part.shape == v.shape else part.view(v.shape)
-            return v.clone() if isinstance(v, torch.Tensor) else v
-
-        return pytree.tree_unflatten([leaf(v) for v in self.leaves], self.spec)
-
-    def sizes(self) -> list[list[int]]:
-        """The element counts of each buffer's tensors, in order."""
-        sizes = [[] for _ in self.buffers]
-        for v in self.leaves:
-            if isinstance(v, Packed):
-                sizes[v.buffer].append(v.shape.numel())
-        return sizes
-
-
-class Captures:
-    any_device = False  # True in a stand-in that captures nothing (tests on a CPU)
-
-    def __init__(self, limit: int = GRAPH_LIMIT, pool_limit: int | None = None):
-        self.limit = limit
-        self.pool_limit = pool_limit  # bytes the graphs' memory pool may reserve; past it, capture stops
-        self.graphs: OrderedDict = OrderedDict()
-        self.seen: set = set()
-        self.pool = None
-        self.pool_bytes = 0  # what the pool reserves on the device, measured after each capture
-        self.stopped = False
-        self.said: set = set()
-        self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
-        self.replays_of: Counter = Counter()  # the same, per graph name (`key_name`)
-        self.failures: list[str] = []  # why captures failed (their keys then run uncaptured)
+    def __init__(self):
         self.capturing = False  # a graph is being captured (`shared_output`)
         self.storages: dict = {}  # (role, dtype, device) -> the storage that graphs share (`shared`)
-
-    def applies_to(self, tensor) -> Captures | None:
-        """These captures where a call on `tensor` can be captured (a GPU, or the stand-in's any device), else None:
-        an engine carries captures only where they apply."""
-        return self if tensor.is_cuda or self.any_device else None
-
-    def run(self, key, work, tensors: list):
-        """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
-        # the same tensors for the warm-up, the capture and the replays: compiled tiles guard on their inputs' strides
-        # and requires_grad, and a recompile inside a capture breaks it (an expanded gradient whose static copy is
-        # dense, hidden states that require grad where their static copy does not); the work never needs autograd
-        tensors = [t.detach().contiguous() for t in tensors]
-        # and the same mode: static buffers are ordinary tensors whatever the caller's mode (made under
-        # inference_mode they could not be written by a later call outside it), and grad mode off throughout (a
-        # compiled tile guards on it too)
-        with torch.inference_mode(False), torch.no_grad():
-            return self._run(key, work, tensors)
 
     def shared(self, role, like: torch.Tensor) -> torch.Tensor:
         """A buffer of `like`'s shape and dtype on the one storage of `role` (and dtype, device) that every graph's
@@ -170,6 +83,108 @@ class Captures:
     def static_inputs(self, tensors: list) -> list:
         """A graph's static inputs, each a copy of `tensors[i]` in the shared buffer of input position i."""
         return [self.shared(("input", i), t).copy_(t) for i, t in enumerate(tensors)]
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The span of a capture: the work sees `capturing` (`shared_output`)."""
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+
+class GraphPool(SharedStorages):
+    """The kept graphs (at most `limit`, the least recently used dropped first) and the memory they hold: the
+    shared pool their workspaces lie in and their static inputs' storages, measured after each capture against
+    `pool_limit`, past which every graph is dropped and capture stops (said once)."""
+
+    def __init__(self, limit: int, pool_limit: int | None):
+        super().__init__()
+        self.limit = limit
+        self.pool_limit = pool_limit  # bytes the graphs' memory pool may reserve; past it, capture stops
+        self.graphs: OrderedDict = OrderedDict()
+        self.pool = None
+        self.pool_bytes = 0  # what the pool reserves on the device, measured after each capture
+        self.stopped = False
+        self.said: set = set()
+
+    def _abandon_pool(self) -> None:
+        """After a failed capture, drop the kept graphs (captured again on their next calls) and their pool; the
+        next capture makes a fresh one (`release_pool` says why)."""
+        old = self.pool
+        self._drop_graphs()
+        if old is not None:
+            release_pool(old)
+
+    def _drop_graphs(self) -> None:
+        """Drop every kept graph and the storages they share; the next capture makes a new pool."""
+        self.graphs.clear()
+        self.storages.clear()
+        self.pool = None
+
+    def _measure_pool(self) -> None:
+        """The pool's reserved bytes (its segments in the allocator's snapshot) and the static inputs' storages;
+        past `pool_limit`, every graph is dropped and later calls run uncaptured (said once): the pool holds each
+        graph's workspace for good, so it counts against the same budget as the workspace of an uncaptured call."""
+        self.pool_bytes = self.pool_reserved() + self.inputs_reserved()
+        if self.pool_limit is not None and self.pool_bytes > self.pool_limit:
+            self.say(f"the CUDA graphs' memory pool ({self.pool_bytes / 2**30:.2f} GiB) exceeds the workspace budget "
+                     f"({self.pool_limit / 2**30:.2f} GiB); calls run uncaptured")  # fmt: skip
+            self._drop_graphs()
+            self.stopped = True
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
+
+    def pool_reserved(self) -> int:
+        """Bytes the allocator's segments of the graphs' pool hold (`torch.cuda.memory_snapshot`)."""
+        return sum(s["total_size"] for s in pool_segments(self.pool))
+
+    def inputs_reserved(self) -> int:
+        """Bytes of the storages that the kept graphs' static inputs view (outside the pool), each counted once."""
+        return storage_bytes(t for entry in self.graphs.values() for t in entry.inputs)
+
+    def _keep(self, key, entry: Graph) -> Graph:
+        self.graphs[key] = entry
+        while len(self.graphs) > self.limit:
+            self.graphs.popitem(last=False)
+        return entry
+
+    def say(self, message: str) -> None:
+        if message not in self.said:
+            self.said.add(message)
+            warnings.warn(f"compiled_grpo: {message}", CaptureNotice, stacklevel=3)
+
+
+class Captures(GraphPool):
+    any_device = False  # True in a stand-in that captures nothing (tests on a CPU)
+
+    def __init__(self, limit: int = GRAPH_LIMIT, pool_limit: int | None = None):
+        super().__init__(limit, pool_limit)
+        self.seen: set = set()
+        self.replays = 0  # for tests and benchmarks: how many calls ran as a replay
+        self.replays_of: Counter = Counter()  # the same, per graph name (`key_name`)
+        self.failures: list[str] = []  # why captures failed (their keys then run uncaptured)
+
+    def applies_to(self, tensor, pool_limit: int | None = None) -> Captures | None:
+        """These captures where a call on `tensor` can be captured (a GPU, or the stand-in's any device), else None:
+        an engine carries captures only where they apply. `pool_limit` (the caller's workspace budget, which the
+        graphs' pool counts against) replaces the current one when given."""
+        if pool_limit is not None:
+            self.pool_limit = pool_limit
+        return self if tensor.is_cuda or self.any_device else None
+
+    def run(self, key, work, tensors: list):
+        """work(*tensors) -> a pytree of tensors (None allowed), captured per `key` as described above."""
+        # the same tensors for the warm-up, the capture and the replays: compiled tiles guard on their inputs' strides
+        # and requires_grad, and a recompile inside a capture breaks it (an expanded gradient whose static copy is
+        # dense, hidden states that require grad where their static copy does not); the work never needs autograd
+        tensors = [t.detach().contiguous() for t in tensors]
+        # and the same mode: static buffers are ordinary tensors whatever the caller's mode (made under
+        # inference_mode they could not be written by a later call outside it), and grad mode off throughout (a
+        # compiled tile guards on it too)
+        with torch.inference_mode(False), torch.no_grad():
+            return self._run(key, work, tensors)
 
     def run_with_absent(self, key, work, tensors):
         """`run` of `work(*tensors)` where some of `tensors` may be None: those stay out of the graph's inputs, and
@@ -229,82 +244,11 @@ class Captures:
         self._measure_pool()
         return entry
 
-    def _abandon_pool(self) -> None:
-        """After a failed capture, start a fresh pool. Where CUDA ended the capture (an operation a capture cannot
-        hold), torch's capture_end raises before it hands the pool back to the allocator, and every later capture
-        into that pool fails ("already recording to mempool_id"); handing it back by hand
-        (`torch._C._cuda_endAllocateToPool`) did not clear that on torch 2.11 (seen on an H200). So the kept graphs
-        are dropped (captured again on their next calls), the failed capture's hold on the old pool released, and
-        the next capture makes a pool of its own, whose id no stale recording names. Failures are said once per
-        reason, so this happens rarely."""
-        old = self.pool
-        self._drop_graphs()
-        if old is None:
-            return
-        device = torch.cuda.current_device()
-        for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):  # each may have happened already: no matter
-            hand_back = getattr(torch._C, name, None)
-            if hand_back is not None:
-                with contextlib.suppress(RuntimeError):
-                    hand_back(device, old)
-        torch.cuda.empty_cache()  # the old pool's segments, free once nothing holds it
-
-    def _drop_graphs(self) -> None:
-        """Drop every kept graph and the storages they share; the next capture makes a new pool."""
-        self.graphs.clear()
-        self.storages.clear()
-        self.pool = None
-
-    def _measure_pool(self) -> None:
-        """The pool's reserved bytes (its segments in the allocator's snapshot) and the static inputs' storages;
-        past `pool_limit`, every graph is dropped and later calls run uncaptured (said once): the pool holds each
-        graph's workspace for good, so it counts against the same budget as the workspace of an uncaptured call."""
-        self.pool_bytes = self.pool_reserved() + self.inputs_reserved()
-        if self.pool_limit is not None and self.pool_bytes > self.pool_limit:
-            self.say(f"the CUDA graphs' memory pool ({self.pool_bytes / 2**30:.2f} GiB) exceeds the workspace budget "
-                     f"({self.pool_limit / 2**30:.2f} GiB); calls run uncaptured")  # fmt: skip
-            self._drop_graphs()
-            self.stopped = True
-            if torch.cuda.is_initialized():
-                torch.cuda.empty_cache()  # the pool's segments, free once its graphs are gone
-
     def _failed(self, key, error) -> Graph:
-        where = "".join(traceback.format_tb(error.__traceback__)[-3:])  # for benchmarks and bug reports
-        self.failures.append(f"{key_name(key)}: {type(error).__name__}: {error}\n{where}")
+        self.failures.append(failure_report(key, error))
         self.say(f"a call could not be captured as a CUDA graph ({type(error).__name__}: {error}); calls like it "
                  f"run uncaptured")  # fmt: skip
         return self._keep(key, Graph(None, [], None))
-
-    @contextlib.contextmanager
-    def recording(self):
-        """The span of a capture: the work sees `capturing` (`shared_output`)."""
-        self.capturing = True
-        try:
-            yield
-        finally:
-            self.capturing = False
-
-    def pool_segments(self) -> list[dict]:
-        """The allocator's segments of the graphs' pool (`torch.cuda.memory_snapshot`)."""
-        return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(self.pool)]
-
-    def pool_reserved(self) -> int:
-        return sum(s["total_size"] for s in self.pool_segments())
-
-    def inputs_reserved(self) -> int:
-        """Bytes of the storages that the kept graphs' static inputs view (outside the pool), each counted once."""
-        return storage_bytes(t for entry in self.graphs.values() for t in entry.inputs)
-
-    def _keep(self, key, entry: Graph) -> Graph:
-        self.graphs[key] = entry
-        while len(self.graphs) > self.limit:
-            self.graphs.popitem(last=False)
-        return entry
-
-    def say(self, message: str) -> None:
-        if message not in self.said:
-            self.said.add(message)
-            warnings.warn(f"compiled_grpo: {message}", CaptureNotice, stacklevel=3)
 
 
 def storage_bytes(tensors) -> int:
@@ -321,154 +265,33 @@ def key_name(key) -> str:
     return key if isinstance(key, str) else repr(key)
 
 
-def head_key(head) -> tuple:
-    """What a graph bakes in of the lm_head, read in place: the weight's and bias's addresses, shapes and dtypes,
-    the softcap."""
-    weight, bias = head.weight, head.bias
-    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap, head.rounded,
-            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
-
-
 def signature(tensors: list) -> tuple:
     """The shapes, dtypes and devices of `tensors`, for a key."""
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
-# the call's per-token inputs that a graph reads from its static buffers (the rest of `inputs.LossInputs` is the
-# lm_head, read in place, or the reference head, whose log-probs are streamed before the call's work)
-SWAPPED_INPUTS = ("hidden", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
-                  "ref_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio",
-                  "hidden_rows")  # fmt: skip
+def pool_segments(pool) -> list[dict]:
+    """The allocator's segments of a graphs' memory pool."""
+    return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
 
 
-@dataclass(frozen=True)
-class CallTensors:
-    """The tensors one call's work reads, in a fixed order, and where each goes back when the work is rebuilt
-    from a graph's static copies of them."""
-
-    tensors: list
-    input_names: tuple  # SWAPPED_INPUTS present, in order
-    plan_fields: tuple  # (field of the plan, or None for the plan itself) of each TilePlan, in order
-    step_names: tuple  # Step fields passed as 0-d tensors
-    head_key: tuple
-
-    @classmethod
-    def of(cls, objective, head, plan) -> CallTensors:
-        inputs = objective.inputs
-        names = tuple(n for n in SWAPPED_INPUTS if getattr(inputs, n) is not None)
-        tensors = [getattr(inputs, n) for n in names]
-        fields = plan_tile_fields(plan)
-        for f in fields:
-            tensors += [tile_plan(plan, f).source, tile_plan(plan, f).valid]
-        tensors.append(head.values)
-        step = device_step(objective.step, objective.dtype, inputs.hidden.device)
-        scalars = ("entropy_coef", "num_items_in_batch")
-        step_names = tuple(n for n in scalars if isinstance(getattr(step, n), torch.Tensor))
-        tensors += [getattr(step, n) for n in step_names]
-        return cls(tensors, names, fields, step_names, head_key(head))
-
-    def key(self) -> tuple:
-        return (self.input_names, self.plan_fields, self.step_names, self.head_key, signature(self.tensors))
-
-    def rebuilt(self, tensors, objective, head, plan):
-        """(objective, head, plan) of the call with `tensors` (static copies of `self.tensors`) in place."""
-        from .batch_objective import Objective
-
-        it = iter(tensors)
-        inputs = dataclasses.replace(objective.inputs, **{n: next(it) for n in self.input_names})
-        for f in self.plan_fields:
-            # the work reads the slots only: the plan's active positions (sized by the batch) stay out of it
-            rebuilt = dataclasses.replace(tile_plan(plan, f), source=next(it), valid=next(it), active=None,
-                                          slot_of_active=None)  # fmt: skip
-            plan = rebuilt if f is None else dataclasses.replace(plan, **{f: rebuilt})
-        head = head._replace(values=next(it))
-        step = dataclasses.replace(objective.step, **{n: next(it) for n in self.step_names})
-        return Objective(objective.cfg, inputs, step, objective.group), head, plan
+def release_pool(pool) -> None:
+    """Hand a pool back after a failed capture. Where CUDA ended the capture (an operation a capture cannot hold),
+    torch's capture_end raises before it hands the pool back to the allocator, and every later capture into that
+    pool fails ("already recording to mempool_id"); handing it back by hand (`torch._C._cuda_endAllocateToPool`)
+    did not clear that on torch 2.11 (seen on an H200). So the failed capture's hold on the pool is released and
+    the next capture makes a pool of its own, whose id no stale recording names. Failures are said once per
+    reason, so this happens rarely."""
+    device = torch.cuda.current_device()
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):  # each may have happened already: no matter
+        hand_back = getattr(torch._C, name, None)
+        if hand_back is not None:
+            with contextlib.suppress(RuntimeError):
+                hand_back(device, pool)
+    torch.cuda.empty_cache()  # the old pool's segments, free once nothing holds it
 
 
-def plan_tile_fields(plan) -> tuple:
-    """The TilePlans of a schedule's plan: the plan itself (None), or its fields that hold one."""
-    from .tiling import TilePlan
-
-    if isinstance(plan, TilePlan):
-        return (None,)
-    return tuple(f.name for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), TilePlan))
-
-
-def tile_plan(plan, field):
-    return plan if field is None else getattr(plan, field)
-
-
-def device_step(step, dtype, device):
-    """The step with its per-call numbers as 0-d tensors made on the device (a fill, not a copy that waits): a
-    graph would otherwise bake them in (TRL's num_items_in_batch changes every step)."""
-    fill = lambda v: torch.full((), float(v), dtype=dtype, device=device)
-    changes = {}
-    if step.bonus_on and not isinstance(step.entropy_coef, torch.Tensor):
-        changes["entropy_coef"] = fill(step.entropy_coef)
-    if step.num_items_in_batch is not None and not isinstance(step.num_items_in_batch, torch.Tensor):
-        changes["num_items_in_batch"] = fill(step.num_items_in_batch)
-    return dataclasses.replace(step, **changes)
-
-
-def capturable(engine, objective) -> bool:
-    """A loss call's whole work can be captured: the engine captures (it does so only on a GPU), in one process
-    (no reduction across ranks inside), with the whole vocabulary here."""
-    from . import distributed
-
-    return engine.captures is not None and not engine.shard.parallel and not distributed.active(objective.group)
-
-
-# Completion lengths are rounded up to a multiple of this in a captured call, so that the batches of a run (whose
-# length is their longest completion) share a few graphs: a call of length T runs as one of length ceil(T/128)*128
-# whose extra positions are masked, and its per-position outputs are cut back to T.
-LENGTH_BUCKET = 128
-
-
-def padded_length(T: int) -> int:
-    return -(-T // LENGTH_BUCKET) * LENGTH_BUCKET
-
-
-def checks_captures(captures: Captures | None, inputs) -> Captures | None:
-    """The captures of a call's value checks: those of the call where its completion length is already a bucket's
-    (a multiple of `LENGTH_BUCKET`, as a run's longest completion at max_completion_length = 1024 is), else
-    None (eager checks). The checks read the call's [B, T] inputs as they are: at other lengths a graph per length
-    would crowd the passes' graphs out of the kept ones, each capture a wait on the GPU."""
-    if captures is None or inputs.packed or inputs.completion_mask.shape[1] % LENGTH_BUCKET:
-        return None
-    return captures
-
-
-def pad_call(objective, plan, length: int):
-    """(objective, plan) of the same call laid out with `length` >= T positions per row: the [B, T] inputs and
-    hidden [B, T, H] padded (masked positions, whose values the loss ignores; an IS ratio of 1), and each tile
-    plan's slots pointing at the same tokens in the wider layout. A padded call's loss is the call's (masked
-    positions do not reach it); its per-position outputs are cut back with `unpad`."""
-    from .batch_objective import Objective
-
-    inputs = objective.inputs
-    B, T = inputs.completion_mask.shape
-    if length == T:
-        return objective, plan
-    widen = lambda t, value=0.0: torch.nn.functional.pad(t, (0, length - T), value=value)
-    changes = {name: widen(getattr(inputs, name)) for name in ("completion_ids", "completion_mask", *PER_TOKEN_BT)
-               if getattr(inputs, name) is not None}  # fmt: skip
-    if inputs.advantages.dim() == 2:
-        changes["advantages"] = widen(inputs.advantages)
-    ratio = inputs.importance_sampling_ratio
-    if ratio is not None and ratio.dim() == 2 and ratio.shape[1] == T:
-        changes["importance_sampling_ratio"] = widen(ratio, 1.0)
-    changes["hidden"] = torch.nn.functional.pad(inputs.hidden.detach(), (0, 0, 0, length - T))
-    inputs = dataclasses.replace(inputs, **changes)
-    moved = lambda p: dataclasses.replace(p, source=p.source // T * length + p.source % T, identity=False)
-    for f in plan_tile_fields(plan):
-        plan = moved(plan) if f is None else dataclasses.replace(plan, **{f: moved(tile_plan(plan, f))})
-    return Objective(objective.cfg, inputs, objective.step, objective.group), plan
-
-
-PER_TOKEN_BT = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
-
-
-def unpad(t, T: int):
-    """A padded call's [B, length, ...] output cut back to [B, T, ...]."""
-    return t if t.shape[1] == T else t[:, :T]
+def failure_report(key, error) -> str:
+    """Why a capture failed, with the last frames of where (for benchmarks and bug reports)."""
+    where = "".join(traceback.format_tb(error.__traceback__)[-3:])
+    return f"{key_name(key)}: {type(error).__name__}: {error}\n{where}"

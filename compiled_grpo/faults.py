@@ -7,7 +7,7 @@ with the error it stands for; `Faults.issue` starts one copy of every flag (and 
 first bad id) into pinned host memory, and `Faults.raise_first` reads them after an event: free once the host
 has waited for the device for another reason (the plan's read of counts), a wait of its own otherwise.
 
-On a CPU the copy is immediate. On a GPU the check after a call's statistics (`validation.statistics_faults`)
+On a CPU the copy is immediate. On a GPU the check after a call's statistics (`checks.statistics_faults`)
 is deferred: raised at the next call of the same loss, after its plan, or by `check()`, naming the call it came
 from (`Deferred`).
 """

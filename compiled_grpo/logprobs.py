@@ -8,7 +8,7 @@ never does):
     logp, entropy = 0 where targets == ignore_index
 
 differentiable in hidden, weight and bias. It runs the engine of the GRPO loss's memory and sparse schedules
-(`schedules.memory.stream_statistics`): the statistics pass in the forward ([stats_rows, V] float32 logits at a
+(`schedules.recompute.stream_statistics`): the statistics pass in the forward ([stats_rows, V] float32 logits at a
 time), and a backward that recomputes the logits only for the rows whose upstream gradients are not both 0
 (2NHV + 6nHV FLOPs for n such rows), without the entropy's term when no entropy gradient is non-zero. Under
 `no_grad` or `inference_mode` the forward runs the same kernels on the same tiles: old, reference and policy
@@ -23,13 +23,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import distributed, faults, validation
+from . import checks, distributed, faults
 from .capture import Captures
 from .faults import Deferred, Faults
 from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
-from .schedules import memory, sparse
+from .primitive_checks import check_inputs, value_checks
 from .schedules.passes import Engine, statistics_pass
+from .schedules.recompute import StatisticsThenRecompute, stream_statistics
+from .schedules.sparse_gradients import StatisticsThenSparseGradients
 from .streaming import stat_dtype
 from .tiling import DEFAULT_WORKSPACE_BYTES, TilePlan, Tiles, from_slots, plan_mask, to_slots
 
@@ -87,7 +89,7 @@ def fused_linear_logprobs(
     token_tile, tail_tile, vocab_tile, stats_rows, sparse_tile (`tiling.Tiles`, defaults by device). Under
     autocast the GEMMs run in the autocast dtype.
     """
-    validation.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
+    checks.unknown_names(tiles, TILE_OPTIONS + LOGPROBS_OPTIONS, "fused_linear_logprobs()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate,
                       vocab_parallel_group, vocab_start, tiles, capture, round_logits)  # fmt: skip
     return logprobs_of_call(hidden, weight, targets, bias, options, entropy=entropy)[0]
@@ -97,12 +99,12 @@ def logprobs_of_call(hidden, weight, targets, bias, options: Options, *, entropy
     """(LogProbs, ExtraStatistics or None): the statistics pass with its recomputing backward, checked."""
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
-    function = memory.StatisticsThenRecompute if parallel else sparse.StatisticsThenSparseGradients
+    function = StatisticsThenRecompute if parallel else StatisticsThenSparseGradients
     with torch.autocast(call.stream.hidden.device.type, enabled=False):
-        logp, ent, *more = memory.stream_statistics(function, call.engine, call.stream, call.plan, call.head, extras)
+        logp, ent, *more = stream_statistics(function, call.engine, call.stream, call.plan, call.head, extras)
     if options.validate:
         later = faults.deferred(call.stream.hidden.device)
-        found = validation.statistics_faults(call.valid, logp, ent, call.stream.hidden, call.head.weight,
+        found = checks.statistics_faults(call.valid, logp, ent, call.stream.hidden, call.head.weight,
                                              call.head.bias, later=later)  # fmt: skip
         PRIMITIVE_DEFERRED.keep(found) if later else found.settle()
     found = LogProbs(logp.view(targets.shape), ent.view(targets.shape) if entropy else None)
@@ -130,7 +132,7 @@ def fused_linear_extra_statistics(
 ) -> ExtraStatistics:
     """Without gradient, the per-token fields TRL 1.16's fused head also offers (`ExtraStatistics`), from one more
     statistics pass over the lm_head (same arguments as `fused_linear_logprobs`; no vocabulary-parallel head)."""
-    validation.unknown_names(tiles, TILE_OPTIONS + EXTRA_OPTIONS, "fused_linear_extra_statistics()")
+    checks.unknown_names(tiles, TILE_OPTIONS + EXTRA_OPTIONS, "fused_linear_extra_statistics()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, False, None, 0, tiles)
     call = prepare(hidden, weight, targets, bias, options)
     x = to_slots(call.stream.hidden, call.plan, fill=None)
@@ -151,7 +153,7 @@ def fused_linear_logprobs_with_extras(hidden, weight, targets, *, bias=None, tem
     `round_logits=True`): what TRL's SFT, DPO and KTO trainers ask of their head, in one read of the logits.
     Eager, the log-probs, entropies and gradients are `fused_linear_logprobs`' bitwise; compiled they may differ
     by a float32 rounding (the pass is another compiled kernel, whose sums Inductor may order differently)."""
-    validation.unknown_names(tiles, TILE_OPTIONS + WITH_EXTRAS_OPTIONS, "fused_linear_logprobs_with_extras()")
+    checks.unknown_names(tiles, TILE_OPTIONS + WITH_EXTRAS_OPTIONS, "fused_linear_logprobs_with_extras()")
     options = Options(logit_scale, temperature, final_logit_softcapping, ignore_index, compiled, validate, None,
                       0, tiles, capture, round_logits)  # fmt: skip
     return logprobs_of_call(hidden, weight, targets, bias, options, entropy=entropy, extras=True)
@@ -173,6 +175,16 @@ WITH_EXTRAS_OPTIONS = _keywords(fused_linear_logprobs_with_extras)
 # budget (set `PRIMITIVE_CAPTURES.pool_limit` for another): past it, the primitive's calls run uncaptured.
 PRIMITIVE_CAPTURES = Captures(pool_limit=DEFAULT_WORKSPACE_BYTES)
 PRIMITIVE_DEFERRED = Deferred()
+
+
+def primitive_captures(reset: bool = False) -> Captures:
+    """The process-wide graphs of `fused_linear_logprobs(capture=True)`: `replays`, `pool_bytes` (what their
+    memory pool reserves) and `pool_limit` (bytes, settable) to read. `reset=True` first drops every graph (a new,
+    empty set at the default budget): later calls capture afresh."""
+    global PRIMITIVE_CAPTURES
+    if reset:
+        PRIMITIVE_CAPTURES = Captures(pool_limit=DEFAULT_WORKSPACE_BYTES)
+    return PRIMITIVE_CAPTURES
 
 
 class Call(NamedTuple):
@@ -245,64 +257,3 @@ def under_autocast(hidden, weight, bias):
     dtype = torch.get_autocast_dtype(device_type)
     cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t
     return cast(hidden), cast(weight), cast(bias)
-
-
-def check_inputs(hidden, weight, targets, bias, temperature) -> None:
-    """Types, shapes, dtypes and devices: free checks, always made."""
-    for name, x in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if hidden.dtype not in validation.FLOATS or hidden.dim() < 1:
-        raise TypeError(f"hidden: expected a floating [..., H] tensor, got {hidden.dtype} {tuple(hidden.shape)}")
-    H = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != H:
-        raise ValueError(f"weight: expected [V, {H}] (H of hidden), got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets: expected {tuple(hidden.shape[:-1])} (hidden's leading shape), got "
-                         f"{tuple(targets.shape)}")  # fmt: skip
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"targets: expected an integer dtype, got {targets.dtype}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
-        raise ValueError(f"bias: expected [{weight.shape[0]}], got {getattr(bias, 'shape', type(bias))}")
-    named = {"weight": weight, "targets": targets, "bias": bias}
-    if isinstance(temperature, torch.Tensor):
-        named["temperature"] = temperature
-        check_temperature_shape(temperature, targets)
-    elif not isinstance(temperature, (int, float)) or not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature: expected a positive finite number or a tensor, got {temperature!r}")
-    for name, x in named.items():
-        if x is not None and x.device != hidden.device:
-            raise TypeError(f"{name}: is on {x.device}, hidden on {hidden.device}: every input must be on one device")
-
-
-def check_temperature_shape(temperature: torch.Tensor, targets: torch.Tensor) -> None:
-    """A temperature tensor is 0-d or has targets' number of dimensions ([B, 1] per sequence, [B, T] per token,
-    [N] per packed target): a [B] tensor against [B, T] targets would broadcast along T, per position, silently."""
-    shape, want = tuple(temperature.shape), tuple(targets.shape)
-    if temperature.dim() not in (0, targets.dim()):
-        raise ValueError(f"temperature: expected a scalar or a tensor with targets' {targets.dim()} dimensions (per "
-                         f"sequence [B, 1], per token {list(want)}), got shape {shape}; for one temperature per "
-                         f"sequence pass temperature[:, None]")  # fmt: skip
-    try:
-        torch.broadcast_shapes(shape, want)
-    except RuntimeError:
-        raise ValueError(f"temperature: shape {shape} does not broadcast to targets' {want}") from None
-
-
-def value_checks(flat_targets, valid, weight, group, temperature) -> Faults:
-    """Targets in the (whole) vocabulary or ignored, temperatures positive and finite: device flags, their
-    read-back started (`faults.Faults`)."""
-    vocab = weight.shape[0]
-    if group is not distributed.LOCAL:
-        vocab = int(distributed.all_sum(torch.tensor(vocab, device=weight.device), group))
-    found = Faults()
-    bad = valid & ((flat_targets < 0) | (flat_targets >= vocab))
-    first_bad = validation.first_where(flat_targets, bad)
-    found.add(bad.any(), lambda id_: ValueError(f"targets: id {id_} is outside [0, {vocab}) and is not ignore_index"),
-              first_bad)  # fmt: skip
-    if isinstance(temperature, torch.Tensor):
-        found.add(~(torch.isfinite(temperature) & (temperature > 0)).all(),
-                  lambda _: ValueError("temperature: every value must be positive and finite"))  # fmt: skip
-    return found.issue()

@@ -8,7 +8,7 @@ It equals, in plain torch (with logits materialized, which this never does):
 
 and returns TRL's metrics, the per-token logp and entropy, and the entropy mask (docs/semantics.md says what
 is computed, docs/usage.md how to call it). A call flows: inputs checked -> the batch
-objective (`batch_objective.Objective`) -> `schedules.choose` -> the schedule's `run`, which streams the lm_head
+objective (`batch_objective.Objective`) -> `schedules.choice.choose` -> the schedule's `run`, which streams the lm_head
 tiles and asks the objective for the loss.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import capture, distributed, faults, options, schedules, sequence_parallel, validation
+from . import checks, distributed, faults, options, sequence_parallel, validation
 from .batch_objective import Objective
 from .capture import Captures
 from .config import SETTING_NAMES, GRPOLossConfig
@@ -28,7 +28,7 @@ from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels
 from .packing import lay_out
-from .schedules import passes
+from .schedules import captured_call, choice, passes
 from .step import Step, add_step_faults, make_step
 from .tiling import DEFAULT_WORKSPACE_BYTES, Tiles
 
@@ -48,13 +48,12 @@ class FusedLinearGRPOLoss:
 
     Settings (TRL's names and defaults, see `GRPOLossConfig`) are validated once, here. `compiled=True` runs the
     tile functions under torch.compile; `compiled=False` runs the same functions eagerly. `schedule`: "memory",
-    "speed", "sparse" or "auto" (`schedules.choose` states the rule). `validate=False` skips the value checks (ids
-    in range, finite inputs and statistics: reductions on the device, read back where the host waits anyway; on
-    a GPU the check of a call's statistics is raised at the next call or by `check()`). Tile sizes
+    "speed", "sparse" or "auto" (`schedules.choice.choose` states the rule). `validate=False` skips the value
+    checks (ids in range, finite inputs and statistics: reductions on the device, read back where the host waits
+    anyway; on a GPU the check of a call's statistics is raised at the next call or by `check()`). Tile sizes
     (`tiling.Tiles`) default by device; `logits_budget_bytes` bounds the workspace of the speed and sparse
     schedules, beyond which "auto" picks memory. `round_logits=True` rounds the lm_head product to the inputs'
-    16-bit dtype before the softmax, as TRL's head and plain torch do (their numerics, fewer bytes per logit);
-    the default keeps it in float32.
+    16-bit dtype before the softmax, as TRL's head does; the default keeps it in float32.
     """
 
     def __init__(
@@ -78,23 +77,19 @@ class FusedLinearGRPOLoss:
         round_logits: bool = False,
         **settings,
     ):
-        validation.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
+        checks.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
         self.config = GRPOLossConfig(**settings)
         options.check_schedule(schedule, self.config)
         options.check_flags(compiled=compiled, validate=validate, capture=capture, round_logits=round_logits)
-        options.check_groups(schedule, vocab_parallel_group, sequence_parallel_group)
         self.schedule, self.validate, self.round_logits = schedule, validate, round_logits
         self.tile_overrides = options.tile_overrides(
             token_tile=token_tile, tail_tile=tail_tile, vocab_tile=vocab_tile, stats_rows=stats_rows,
             speed_tile=speed_tile, speed_group=speed_group, sparse_tile=sparse_tile,
         )  # fmt: skip
         self.logits_budget_bytes = options.check_budget(logits_budget_bytes)
-        # Vocabulary- and sequence-parallel ranks hold the same sequences: their batch reductions stay local unless a
-        # data-parallel group is given.
-        if process_group is None and (vocab_parallel_group is not None or sequence_parallel_group is not None):
-            process_group = distributed.LOCAL
-        self.sequence_group, self.process_group = sequence_parallel_group, process_group
-        self.vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
+        self.process_group, self.vocab_group, self.sequence_group = options.process_groups(
+            schedule, process_group, vocab_parallel_group, sequence_parallel_group
+        )
         self.kernels = Kernels(compiled)
         # On a GPU, the schedules' passes, the memory and sparse forward and the value checks as CUDA graph replays
         # (`capture.Captures`); elsewhere, as without it
@@ -136,7 +131,7 @@ class FusedLinearGRPOLoss:
         in order), the per-token inputs and optionally row_index (the hidden row predicting it);
         advantages and importance_sampling_ratio per token or per sequence. The loss is the padded call's with
         each sequence left-aligned in its own row; outputs come back per token."""
-        validation.unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
+        checks.unknown_names(unknown, CALL_INPUTS, "FusedLinearGRPOLoss.__call__()")
         given = LossInputs(
             hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
@@ -144,7 +139,7 @@ class FusedLinearGRPOLoss:
             ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
         ).with_constants_detached()  # fmt: skip
         validation.check_devices(given)
-        inputs, packing = self._laid_out(given, segment_ids, num_sequences, row_index)
+        inputs, packing = _laid_out(given, (segment_ids, num_sequences, row_index), self.sequence_group, self.validate)
         processes = distributed.world_size(self.process_group) if num_processes is None else num_processes
         coef = self.config.entropy_coef if entropy_coef is None else entropy_coef
         step = make_step(gradient_accumulation_steps, steps_per_generation, num_items_in_batch, processes, coef)
@@ -157,68 +152,73 @@ class FusedLinearGRPOLoss:
         packed = map(packing.pack, (out.per_token_logps, out.entropy, out.entropy_mask))
         return GRPOLossOutput(out.loss, out.metrics, *packed, schedule=out.schedule)
 
-    def _laid_out(self, given: LossInputs, segment_ids, num_sequences, row_index):
-        """(the inputs in the padded layout and under autocast, the `packing.Packing` of a packed call or None)."""
-        if segment_ids is not None and self.sequence_group is not None:
-            raise ValueError("segment_ids: a packed call does not take a sequence_parallel_group; pass each rank's "
-                             "slice of the padded [B, T] batch")  # fmt: skip
-        inputs, packing = lay_out(given, (segment_ids, num_sequences, row_index), self.validate)
-        return inputs.under_autocast(), packing
-
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
-        captures = None if self.captures is None else self.captures.applies_to(inputs.hidden)
-        if captures is not None:  # the graphs' pool counts against the workspace budget (`capture.Captures`)
-            captures.pool_limit = self.logits_budget_bytes
-        checks = capture.checks_captures(captures, inputs)
-        inputs, value_faults = self._checked(inputs, step, checks)
+        captures = None if self.captures is None else self.captures.applies_to(inputs.hidden, self.logits_budget_bytes)
+        checks = captured_call.checks_captures(captures, inputs)
+        inputs, value_faults = _checked(inputs, step, checks, self.config.beta, self.vocab_group, self.validate)
         tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
-        if self.config.beta != 0.0 and inputs.ref_per_token_logps is None:
-            inputs = passes.with_reference_logps(engine, inputs, self.config, self.round_logits)
-        slices = None
-        if sequence_parallel.active(self.sequence_group):
-            slices = sequence_parallel.SequenceSlices.of(self.sequence_group, inputs.completion_mask)
-        objective = Objective(self.config, inputs, step, self.process_group, slices)
+        objective = _objective(self, engine, inputs, step)
         head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype, self.round_logits)
-        schedule, plan = schedules.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
+        schedule, plan = choice.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
         # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host
         self.deferred.raise_pending()
         value_faults.raise_first()
         out = GRPOLossOutput(*schedule.run(engine, objective, head, plan), schedule=schedule.NAME)
         if self.validate:
-            self._check_statistics(inputs, out, checks)
+            _check_statistics(inputs, out, checks, self.deferred)
         return out
 
-    def _checked(self, inputs: LossInputs, step: Step, captures: Captures | None) -> tuple[LossInputs, Faults]:
-        """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started
-        (with `captures`, computed by a CUDA graph replay); DTensor weights gathered; [B, 1] advantages as [B]."""
-        validation.check_shapes(inputs)
-        inputs = inputs.with_row_advantages()
-        no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
-        if self.config.beta != 0.0 and no_reference:
-            raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
-        inputs = inputs.cast_head(distributed.full_tensor)
-        if not self.validate:
-            return inputs, Faults()
-        vocab = inputs.weight.shape[0]
-        if self.vocab_group is not distributed.LOCAL:
-            vocab = int(distributed.all_sum(torch.tensor(vocab, device=inputs.weight.device), self.vocab_group))
-        return inputs, add_step_faults(validation.value_faults(inputs, vocab, captures), step).issue()
-
-    def _check_statistics(self, inputs: LossInputs, out: GRPOLossOutput, captures: Captures | None) -> None:
-        """Finite statistics at active positions: now on a CPU; on a GPU read at the next call or by `check()`."""
-        later = faults.deferred(inputs.hidden.device)
-        active = inputs.completion_mask.bool()
-        found = validation.statistics_faults(active, out.per_token_logps, out.entropy, inputs.hidden, inputs.weight,
-                                             inputs.bias, rows=inputs.hidden_rows, later=later,
-                                             captures=captures)  # fmt: skip
-        self.deferred.keep(found) if later else found.settle()
-
     def check(self) -> None:
-        """Raise now the error of a value check still pending from an earlier call (on a GPU, the check of a
-        call's statistics is read at the next call, so that the call itself never waits for its work); waits for
-        the device. CompiledGRPOTrainer calls it when it logs."""
+        """Raise now the error of a value check pending from an earlier call (on a GPU a call's statistics are
+        checked at the next call, so that no call waits for its work); waits for the device."""
         self.deferred.raise_pending()
+
+
+def _objective(loss: FusedLinearGRPOLoss, engine: passes.Engine, inputs: LossInputs, step: Step) -> Objective:
+    """The batch objective; the reference log-probs computed first when beta != 0 and only its head is given."""
+    if loss.config.beta != 0.0 and inputs.ref_per_token_logps is None:
+        inputs = passes.with_reference_logps(engine, inputs, loss.config, loss.round_logits)
+    slices = None
+    if sequence_parallel.active(loss.sequence_group):
+        slices = sequence_parallel.SequenceSlices.of(loss.sequence_group, inputs.completion_mask)
+    return Objective(loss.config, inputs, step, loss.process_group, slices)
+
+
+def _laid_out(given: LossInputs, packed_layout, sequence_group, validate: bool):
+    """(the inputs in the padded layout and under autocast, the `packing.Packing` of a packed call or None)."""
+    if packed_layout[0] is not None and sequence_group is not None:
+        raise ValueError("segment_ids: a packed call does not take a sequence_parallel_group; pass each rank's "
+                         "slice of the padded [B, T] batch")  # fmt: skip
+    inputs, packing = lay_out(given, packed_layout, validate)
+    return inputs.under_autocast(), packing
+
+
+def _checked(inputs: LossInputs, step: Step, captures, beta, vocab_group, validate) -> tuple[LossInputs, Faults]:
+    """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started
+    (with `captures`, computed by a CUDA graph replay); DTensor weights gathered; [B, 1] advantages as [B]."""
+    validation.check_shapes(inputs)
+    inputs = inputs.with_row_advantages()
+    no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
+    if beta != 0.0 and no_reference:
+        raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
+    inputs = inputs.cast_head(distributed.full_tensor)
+    if not validate:
+        return inputs, Faults()
+    vocab = inputs.weight.shape[0]
+    if vocab_group is not distributed.LOCAL:
+        vocab = int(distributed.all_sum(torch.tensor(vocab, device=inputs.weight.device), vocab_group))
+    return inputs, add_step_faults(validation.value_faults(inputs, vocab, captures), step).issue()
+
+
+def _check_statistics(inputs: LossInputs, out: GRPOLossOutput, captures, deferred: Deferred) -> None:
+    """Finite statistics at active positions: now on a CPU; on a GPU read at the next call or by `check()`."""
+    later = faults.deferred(inputs.hidden.device)
+    active = inputs.completion_mask.bool()
+    found = checks.statistics_faults(active, out.per_token_logps, out.entropy, inputs.hidden, inputs.weight,
+                                         inputs.bias, rows=inputs.hidden_rows, later=later,
+                                         captures=captures)  # fmt: skip
+    deferred.keep(found) if later else found.settle()
 
 
 def _parameters(function, kinds) -> tuple[str, ...]:
@@ -234,6 +234,6 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, completion_mask, adva
     """Functional form: every constructor option, setting and call input as a keyword. Builds the loss on every
     call (the compiled tiles are shared across calls by torch.compile's cache, keyed on shapes)."""
     built = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTING_NAMES or k in CONSTRUCTOR_OPTIONS}
-    validation.unknown_names(kwargs, SETTING_NAMES + CONSTRUCTOR_OPTIONS + CALL_INPUTS, "fused_linear_grpo_loss()")
+    checks.unknown_names(kwargs, SETTING_NAMES + CONSTRUCTOR_OPTIONS + CALL_INPUTS, "fused_linear_grpo_loss()")
     loss_fn = FusedLinearGRPOLoss(**built)
     return loss_fn(hidden, weight, completion_ids, completion_mask, advantages, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 from . import distributed
-from .schedules import SCHEDULES
+from .schedules.choice import SCHEDULES
 from .tiling import TILE_NAMES
 
 FLAGS = ("compiled", "validate", "capture", "round_logits")
@@ -44,10 +44,18 @@ def tile_overrides(**knobs) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def check_groups(schedule, vocab_parallel_group, sequence_parallel_group) -> None:
+def process_groups(schedule, process_group, vocab_parallel_group, sequence_parallel_group):
+    """(data-parallel, vocabulary-parallel, sequence-parallel group), checked; `distributed.LOCAL` for a group
+    whose reductions stay on this rank."""
     if sequence_parallel_group is not None and (vocab_parallel_group is not None or schedule == "speed"):
         raise ValueError("sequence_parallel_group: not with a vocab_parallel_group, nor with "
                          "schedule='speed' (its tiles need every token of a sequence)")  # fmt: skip
+    # Vocabulary- and sequence-parallel ranks hold the same sequences: their batch reductions stay local unless a
+    # data-parallel group is given.
+    if process_group is None and (vocab_parallel_group is not None or sequence_parallel_group is not None):
+        process_group = distributed.LOCAL
+    vocab_group = distributed.LOCAL if vocab_parallel_group is None else vocab_parallel_group
+    return process_group, vocab_group, sequence_parallel_group
 
 
 def check_vocab_start(vocab_start, vocab_group) -> int:

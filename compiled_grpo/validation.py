@@ -1,22 +1,20 @@
-"""Input checks: a clear ValueError or TypeError naming the argument, never a deep torch error or a silent NaN.
+"""The loss's input checks: a clear ValueError or TypeError naming the argument, never a deep torch error or a
+silent NaN.
 
-Shape and dtype checks are free; value checks (ids in range, 0/1 mask, finite inputs and statistics) are
+Shape and dtype checks are free; value checks (ids in range, 0/1 mask, finite inputs) are
 reductions on the device whose flags are read back together where the host waits anyway (`faults.Faults`), and
 can be turned off with `validate=False`.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
-import weakref
 
 import torch
 
+from .checks import FLOATS, checked, first_where
 from .faults import Faults
 from .inputs import PER_TOKEN
-
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _fail(name: str, why: str, error=ValueError):
@@ -95,62 +93,6 @@ TENSOR_INPUTS = ("weight", "bias", "completion_ids", "completion_mask", "advanta
                  "importance_sampling_ratio", "ref_hidden", "ref_weight", "ref_bias")  # fmt: skip
 
 
-def statistics_faults(active, logp, entropy, hidden, weight, bias, *, rows=None, later=False, captures=None) -> Faults:
-    """After the statistics pass: a non-finite log-prob or entropy at an `active` position comes from a NaN or an
-    infinity in hidden (at an active position), weight or bias, which the error names, or from logits that
-    overflowed. Two flags on the device (a reduction over the positions and one over hidden's active rows); weight
-    and bias, whose reading costs a pass over the lm_head, are read only when a fault is raised, if still alive.
-    `rows`: a packed call's hidden row of each position. `later`: raised after the call (`faults.Deferred`).
-    `captures`: the flags as a CUDA graph replay (`checked`)."""
-    tensors = (active, logp.detach(), entropy.detach(), hidden.detach(), rows)
-    bad_hidden, bad_stats = checked(captures, ("statistics checks",), statistics_flags, tensors)
-    when = " (found after an earlier call, whose results are not valid)" if later else ""
-    faults = Faults()
-    faults.add(
-        bad_hidden,
-        lambda _: ValueError(
-            f"hidden: NaN or infinite value at an active position{when}: the log-probs and entropies would be NaN"
-        ),
-    )
-    head = (("weight", weakref.ref(weight)), ("bias", None if bias is None else weakref.ref(bias)))
-    faults.add(bad_stats, lambda _: non_finite_head(head, when))
-    return faults
-
-
-def statistics_flags(active, logp, entropy, hidden, rows):
-    """(non-finite statistics with hidden non-finite at an active position, non-finite statistics), int64 0-d."""
-    bad_stats = ~(~active | (torch.isfinite(logp) & torch.isfinite(entropy))).all()
-    finite_rows = torch.isfinite(hidden.reshape(-1, hidden.shape[-1])).all(-1)
-    if rows is not None:  # a packed call: no position has a row when hidden has none
-        finite_rows = finite_rows[rows] if finite_rows.numel() else torch.ones_like(rows, dtype=torch.bool)
-    bad_hidden = ~(~active | finite_rows.reshape(active.shape)).all()
-    return (bad_stats & bad_hidden).long(), bad_stats.long()
-
-
-def non_finite_head(head, when: str) -> ValueError:
-    """The error for non-finite statistics with finite hidden states: weight or bias if either holds a NaN or an
-    infinity (read now, if the tensor is still alive), else the logits overflowed."""
-    gone = []
-    for name, ref in head:
-        x = None if ref is None else ref()
-        if ref is not None and x is None:
-            gone.append(name)
-        elif x is not None and not bool(torch.isfinite(x).all()):
-            return ValueError(f"{name}: NaN or infinite value{when}: the log-probs and entropies would be NaN")
-    unchecked = f" ({' and '.join(gone)} no longer alive to check for NaN or infinite values)" if gone else ""
-    return ValueError(f"hidden: the logits overflowed: a log-prob or entropy at an active position is not "
-                      f"finite{when}{unchecked}")  # fmt: skip
-
-
-def checked(captures, key, flags, tensors: tuple):
-    """flags(*tensors): where calls are captured (`capture.Captures`), one CUDA graph replay per input layout in
-    place of the ~25-45 small reductions of a check, whose launches are host time in a step bound by the host's
-    launch rate; else as it is."""
-    if captures is None:
-        return flags(*tensors)
-    return captures.run_with_absent(key, flags, tensors)
-
-
 def value_faults(inputs, vocab: int, captures=None) -> Faults:
     """Checks of the values at active positions, as device flags; `vocab` is the whole vocabulary's size.
     `captures`: the flags as a CUDA graph replay (`checked`)."""
@@ -192,13 +134,6 @@ def value_flags(nan_allowed: tuple, vocab: int, ids, mask, advantages, is_ratio,
         r = torch.where(active, is_ratio, 1.0) if is_ratio.shape == mask.shape else is_ratio
         flags += [~torch.isfinite(r).all(), (r < 0).any()]
     return (*(f.long() for f in flags), first_where(ids.reshape(-1), out_of_range.reshape(-1)))
-
-
-def first_where(values, bad):
-    """The first of `values` where `bad` holds (values[0] where none does), as a device tensor: no read back."""
-    if not values.numel():
-        return None
-    return values.gather(0, bad.to(torch.uint8).argmax().reshape(1))
 
 
 def non_finite(name: str):
@@ -251,15 +186,3 @@ def check_per_sequence(inputs, packing) -> None:
         x = getattr(inputs, name)
         if x is not None and x.shape[0] not in (M, S):
             _fail(name, f"a packed call expects [{M}] (per target) or [{S}] (per sequence), got {tuple(x.shape)}")
-
-
-def unknown_names(given, valid, where: str) -> None:
-    """A TypeError naming `where` and, for each unknown name, the closest valid one."""
-    unknown = sorted(set(given) - set(valid))
-    if not unknown:
-        return
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, valid, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise TypeError(f"{where} got unknown keyword(s): {', '.join(hints)}")

@@ -95,11 +95,14 @@ def test_a_run_replaces_the_last_runs_report_and_plots(tmp_path):
 def test_primitive_audit_fails_when_the_entropy_gradient_is_dropped(tmp_path, monkeypatch):
     """A backward that never forms the entropy term fails the primitive's cells that have an entropy gradient,
     and only those."""
-    from compiled_grpo.schedules import sparse
+    from compiled_grpo.schedules import sparse_gradients
 
-    keep_rows = sparse.rows_with_gradient
-    monkeypatch.setattr(sparse, "rows_with_gradient", lambda g_logp, g_entropy: (keep_rows(g_logp, g_entropy)[0],
-                                                                                    False))  # fmt: skip
+    keep_rows = sparse_gradients.rows_with_gradient
+
+    def without_entropy_term(g_logp, g_entropy):
+        return keep_rows(g_logp, g_entropy)[0], False
+
+    monkeypatch.setattr(sparse_gradients, "rows_with_gradient", without_entropy_term)
     argv = ["--only", "logprobs", "--modes", "eager", "--dtype", "float32", "--out", str(tmp_path)]
     assert main(argv) == 1
     failing = (tmp_path / "audit.md").read_text().split("## Failing cells")[1].split("##")[0]

@@ -1,7 +1,8 @@
 """The GPU benchmarks' parts that run without a GPU: the profilers wrap the library's phases by name
-(`benchmarks.profile_gpu.PHASES`, `benchmarks.profile_step.PHASES`), so a renamed function must fail here, on the
-CPU, not on the GPU machine; the SFT step's report joins its runs' JSON into a table and a picture; every step
-method has a label, and the diagnostic head after a host wait is TRL's."""
+(`benchmarks.diagnostics.profile_gpu.PHASES`, `benchmarks.diagnostics.profile_step.PHASES`), so a renamed
+function must fail here, on the CPU, not on the GPU machine; the SFT step's report joins its runs' JSON into a
+table and a picture; every step method has a label, and the diagnostic head after a host wait is TRL's; the
+benchmarks users run import only public names."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 def test_every_profiled_phase_exists(module):
     import importlib
 
-    phases = importlib.import_module(f"benchmarks.{module}").PHASES
+    phases = importlib.import_module(f"benchmarks.diagnostics.{module}").PHASES
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, *_ in phases if name not in vars(owner)]
     assert not missing
 
@@ -66,7 +67,7 @@ def test_the_waiting_head_is_trls_and_is_put_back():
 def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
     """The layout simulation drives the loss's own graph cache: one layout repeated captures its graphs once and
     replays them; more layouts than the cache keeps capture again after being dropped."""
-    from benchmarks import capture_layouts
+    from benchmarks.diagnostics import capture_layouts
 
     cycle = capture_layouts.simulate("cycle4", steps=12, batch=8, cap=1024, limit=16)
     # four layouts, each: its checks (the 1024-token batch only), its forward and its gradient pass
@@ -76,3 +77,29 @@ def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
     assert tight["captures"] > tight["distinct_keys"]  # dropped graphs captured again
     capture_layouts.main(["--steps", "8", "--out", str(tmp_path)])
     assert "| cycle4 | 16 |" in (tmp_path / "capture-layouts.md").read_text()
+
+
+USER_BENCHMARKS = ("gpu", "cpu", "trl_step", "sft_step", "verl_head", "side_by_side", "plots", "unsloth_head")
+
+
+@pytest.mark.parametrize("name", USER_BENCHMARKS)
+def test_user_benchmarks_import_only_public_names(name):
+    """What users run breaks only when the public API does: `compiled_grpo`'s exported names and
+    `compiled_grpo.integrations.*`, no internal module and no diagnostic."""
+    import ast
+    from pathlib import Path
+
+    import compiled_grpo
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "compiled_grpo":
+                bad += [a.name for a in node.names if a.name not in compiled_grpo.__all__]
+            internal = node.module.startswith("compiled_grpo.") and not node.module.startswith("compiled_grpo.integ")
+            if internal or node.module.startswith("benchmarks.diagnostics"):
+                bad.append(node.module)
+        elif isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.startswith("compiled_grpo.") and ".integrations" not in a.name]
+    assert not bad, f"benchmarks/{name}.py imports internals: {bad}"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from cases import TILES, assert_matches, make_inputs, run_reference
 
-from compiled_grpo import FusedLinearGRPOLoss, capture
-from compiled_grpo.schedules import passes
+from compiled_grpo import FusedLinearGRPOLoss, capture, capture_outputs
+from compiled_grpo.schedules import captured_call, passes
 
 
 class NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
@@ -396,7 +396,7 @@ def test_layouts_share_one_weight_gradient(schedule, monkeypatch):
     """Two completion lengths taking turns: each length's gradient pass is its own graph, and every one writes dW
     into one shared buffer, counted once in the pool; each call's gradients are still its own (the reference's)."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
-    monkeypatch.setattr(capture, "PACKED_NUMEL", 256)  # dW (of this small lm_head) as a large output, on its own
+    monkeypatch.setattr(capture_outputs, "PACKED_NUMEL", 256)  # dW (of this small lm_head) as a large output, on its own
     settings = {"loss_type": "dapo", "entropy_coef": 0.01}
     loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
     loss_fn.captures = ReplayOnTheStaticInputs()
@@ -426,6 +426,26 @@ def test_the_primitives_graph_pool_has_the_losss_default_budget():
 
     default = inspect.signature(FusedLinearGRPOLoss).parameters["logits_budget_bytes"].default
     assert logprobs.PRIMITIVE_CAPTURES.pool_limit == default == 6 << 30
+
+
+def test_primitive_captures_is_the_set_the_primitive_uses_and_reset_starts_afresh(monkeypatch):
+    """`compiled_grpo.primitive_captures()` is the set `fused_linear_logprobs(capture=True)` replays from; after
+    `reset=True` a call captures into the new, empty set at the default budget."""
+    import compiled_grpo
+    from compiled_grpo import logprobs
+
+    monkeypatch.setattr(logprobs, "PRIMITIVE_CAPTURES", ReplayOnTheStaticInputs())
+    before = compiled_grpo.primitive_captures()
+    assert before is logprobs.PRIMITIVE_CAPTURES
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 8, 16, generator=g), torch.randn(40, 16, generator=g)
+    targets = torch.randint(0, 40, (2, 8), generator=g)
+    for _ in range(3):
+        compiled_grpo.fused_linear_logprobs(hidden, weight, targets, compiled=False, capture=True)
+    assert before.replays >= 1
+    fresh = compiled_grpo.primitive_captures(reset=True)
+    assert fresh is not before and fresh is logprobs.PRIMITIVE_CAPTURES
+    assert fresh.replays == 0 and not fresh.graphs and fresh.pool_limit == 6 << 30
 
 
 def graph_names(captures) -> list:
@@ -497,7 +517,7 @@ def test_whole_forward_lengths_share_a_graph(monkeypatch):
 def test_outputs_share_a_buffer_per_dtype():
     """A graph's small outputs come out of one copy per dtype; large ones, each on its own."""
     small = [torch.arange(3.0), torch.tensor(2.0), torch.ones(2, 2)]
-    large = torch.zeros(capture.PACKED_NUMEL + 1)
+    large = torch.zeros(capture_outputs.PACKED_NUMEL + 1)
     outputs = capture.StaticOutputs.of({"a": small[0], "b": (small[1], None, 7), "c": small[2], "d": large,
                                         "e": torch.tensor([1, 2])})  # fmt: skip
     assert [b.numel() for b in outputs.buffers] == [3 + 1 + 4, 2]
@@ -531,7 +551,7 @@ def test_checks_are_captured_at_bucket_lengths_only(monkeypatch):
     """The value and statistics checks replay where the completion length is a multiple of the length bucket;
     at other lengths (a graph per length would crowd out the passes' graphs) they run as they are."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
-    for T, captured in ((37, False), (capture.LENGTH_BUCKET, True)):
+    for T, captured in ((37, False), (captured_call.LENGTH_BUCKET, True)):
         loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="memory", capture=True, **TILES)
         loss_fn.captures = ReplayOnTheStaticInputs()
         x = make_inputs(seed=150, T=T, bias=True)

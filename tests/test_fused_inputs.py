@@ -94,10 +94,10 @@ def checks(request, monkeypatch):
     if request.param == "captured":
         from test_capture import ReplayOnTheStaticInputs
 
-        from compiled_grpo import capture
+        from compiled_grpo.schedules import captured_call
 
         captures = ReplayOnTheStaticInputs()
-        monkeypatch.setattr(capture, "LENGTH_BUCKET", 1)  # every length a bucket's: the checks are captured
+        monkeypatch.setattr(captured_call, "LENGTH_BUCKET", 1)  # every length a bucket's: the checks are captured
     monkeypatch.setitem(SHARED, "captures", captures)
     yield captures
     assert captures is None or captures.replays_of["value checks"] > 0

@@ -10,7 +10,7 @@ import torch
 from cases import TILES, assert_matches, make_inputs, option_cases, run_fused, run_reference
 
 from compiled_grpo import LOSS_TYPES, FusedLinearGRPOLoss, tiling
-from compiled_grpo.schedules import sparse, speed
+from compiled_grpo.schedules import sparse_gradients, speed
 
 warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
 
@@ -114,13 +114,13 @@ def test_speed_schedule_gradient_groups(group):
 def rows_through_gradient_pass(monkeypatch) -> list[int]:
     """Spy: the number of rows each sparse backward sends through the gradient pass."""
     counted = []
-    original = sparse.gradients_of_rows
+    original = sparse_gradients.gradients_of_rows
 
     def spy(engine, x, head, selected, *rest):
         counted.append(selected.numel())
         return original(engine, x, head, selected, *rest)
 
-    monkeypatch.setattr(sparse, "gradients_of_rows", spy)
+    monkeypatch.setattr(sparse_gradients, "gradients_of_rows", spy)
     return counted
 
 

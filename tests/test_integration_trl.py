@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo import schedules
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, settle, trainer_budget
+from compiled_grpo.schedules import choice, memory
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghij")
 VOCAB = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
@@ -166,15 +166,15 @@ def test_auto_keeps_the_head_within_what_trls_head_holds(tmp_path, monkeypatch):
     """Inside the trainer "auto" bounds the lm_head's workspace by TRL's head's (a float32 dW sum and its copy),
     unless loss_options sets a budget; the schedule it picks fits that budget."""
     chosen = []
-    original = schedules.choose
+    original = choice.choose
 
     def recording(requested, engine, objective, head, budget):
         module, plan = original(requested, engine, objective, head, budget)
-        fits = module is schedules.memory or module.workspace_bytes(engine, plan, head) <= budget
+        fits = module is memory or module.workspace_bytes(engine, plan, head) <= budget
         chosen.append((module.__name__.rsplit(".", 1)[-1], budget, fits))
         return module, plan
 
-    monkeypatch.setattr(schedules, "choose", recording)
+    monkeypatch.setattr(choice, "choose", recording)
     model = tiny_model(dtype=torch.float32)
     trainer = make_trainer(CompiledGRPOTrainer, tmp_path, model)
     weight = model.get_output_embeddings().weight

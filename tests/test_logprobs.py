@@ -15,7 +15,7 @@ from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, streaming
 from compiled_grpo.config import GRPOLossConfig
 from compiled_grpo.head import make_head
 from compiled_grpo.logprobs import fused_linear_extra_statistics, fused_linear_logprobs_with_extras
-from compiled_grpo.schedules import sparse
+from compiled_grpo.schedules import sparse_gradients
 
 PRIMITIVE_TILES = {k: v for k, v in TILES.items() if k in ("token_tile", "tail_tile", "vocab_tile", "sparse_tile")}
 
@@ -127,9 +127,13 @@ def test_entropy_false_and_no_entropy_gradient(monkeypatch):
 
 def test_backward_skips_rows_without_upstream_gradient(monkeypatch):
     counts = []
-    original = sparse.gradients_of_rows
-    monkeypatch.setattr(sparse, "gradients_of_rows", lambda e, x, h, selected, *r: counts.append(selected.numel()) or
-                        original(e, x, h, selected, *r))  # fmt: skip
+    original = sparse_gradients.gradients_of_rows
+
+    def counted(e, x, h, selected, *rest):
+        counts.append(selected.numel())
+        return original(e, x, h, selected, *rest)
+
+    monkeypatch.setattr(sparse_gradients, "gradients_of_rows", counted)
     hidden, weight, bias, targets, _ = make(1)
     h, w = leaves(hidden, weight)
     logp, entropy = fused_linear_logprobs(h, w, targets, compiled=False, **PRIMITIVE_TILES)
@@ -144,8 +148,8 @@ def test_backward_where_every_token_has_a_gradient_runs_over_the_forwards_slots(
     """16-bit, every active token with a gradient, beyond the token-outer pass's rows: no compaction (the
     memory schedule's vocabulary-outer pass over the forward's slots), the gradients those of plain autograd."""
     compacted = []
-    original = sparse.gradients_of_rows
-    monkeypatch.setattr(sparse, "gradients_of_rows", lambda *a: compacted.append(1) or original(*a))
+    original = sparse_gradients.gradients_of_rows
+    monkeypatch.setattr(sparse_gradients, "gradients_of_rows", lambda *a: compacted.append(1) or original(*a))
     hidden, weight, bias, targets, g = make(4, dtype=torch.bfloat16)
     ins = leaves(hidden, weight, bias)
     tiles = {**PRIMITIVE_TILES, "stats_rows": 16}  # more than 2 * 16 rows: the vocabulary-outer pass

@@ -178,7 +178,7 @@ def test_one_training_step_matches_trls(tmp_path, monkeypatch):
 def test_trls_own_async_loss_on_the_compiled_head(monkeypatch):
     """TRL's own `compute_loss` inside `compiled_fused_head()`: its fused head (which the async trainer calls with
     `fused_lm_head=True`) runs on `fused_linear_logprobs`, with TRL's loss on top: the same loss and gradients."""
-    from compiled_grpo.integrations import trl as integration
+    from compiled_grpo.integrations import trl_head as integration
     from compiled_grpo.integrations.trl import compiled_fused_head
 
     calls = []

@@ -118,12 +118,15 @@ def test_per_token_temperature():
 def test_zero_gradient_positions_are_skipped(monkeypatch):
     """The backward recomputes logits only at positions with a non-zero upstream gradient: here the completion
     tokens of the three sequences with a non-zero advantage."""
-    from compiled_grpo.schedules import sparse
+    from compiled_grpo.schedules import sparse_gradients
 
     counts = []
-    original = sparse.gradients_of_rows
-    monkeypatch.setattr(sparse, "gradients_of_rows", lambda e, x, h, selected, *r: counts.append(selected.numel()) or
-                        original(e, x, h, selected, *r))  # fmt: skip
+    original = sparse_gradients.gradients_of_rows
+    def counted(e, x, h, selected, *rest):
+        counts.append(selected.numel())
+        return original(e, x, h, selected, *rest)
+
+    monkeypatch.setattr(sparse_gradients, "gradients_of_rows", counted)
     input_ids, g_logp = batch()
     run(tiny_model(), "triton", True, input_ids, g_logp)
     assert counts == [int((g_logp != 0).sum())] == [3 * (12 - (PROMPT - 1))]  # 24 of the 48 positions

@@ -11,11 +11,19 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed, streaming, tiling
-from ..capture import Captures, head_key
+from ..capture import Captures
 from ..head import Head, VocabShard, make_head
 from ..kernels import Kernels
 from ..streaming import RowGradients
 from ..tiling import TilePlan, Tiles
+
+
+def head_key(head) -> tuple:
+    """What a graph bakes in of the lm_head, read in place: the weight's and bias's addresses, shapes and dtypes,
+    the softcap."""
+    weight, bias = head.weight, head.bias
+    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap, head.rounded,
+            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
 
 
 @dataclass(frozen=True)

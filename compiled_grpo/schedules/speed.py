@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import capture, distributed, streaming, tiling
+from .. import distributed, streaming, tiling
 from ..batch_objective import Objective
 from ..head import Head
 from ..streaming import RowGradients
 from ..tiling import TilePlan
-from . import passes
+from . import captured_call, passes
 from .passes import Engine, TokenOuterGradients, Wanted
 
 # Up to this hidden size the speed schedule keeps its full tile even where dW is summed over groups: the float32
@@ -144,7 +144,7 @@ def run(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan):
         return statistics_run(engine, objective, head, plan)
     wanted = Wanted(head.weight.requires_grad, head.bias is not None and head.bias.requires_grad)
     call = GradientCall(wanted, hidden.requires_grad, passes.compiles_objective(engine, hidden))
-    is_captured = capture.capturable(engine, objective)
+    is_captured = captured_call.capturable(engine, objective)
     if is_captured:
         loss, metrics, logp, entropy, grads = captured(engine, objective, head, plan, call)
     else:
@@ -248,9 +248,9 @@ def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, 
     inputs; the lm_head weight and bias are read in place, their addresses part of the key."""
     T = objective.inputs.completion_mask.shape[1]
     padded = not objective.inputs.packed
-    if padded:  # a few completion lengths serve a run (`capture.LENGTH_BUCKET`)
-        objective, plan = capture.pad_call(objective, plan, capture.padded_length(T))
-    batch = capture.CallTensors.of(objective, head, plan)
+    if padded:  # a few completion lengths serve a run (`captured_call.LENGTH_BUCKET`)
+        objective, plan = captured_call.pad_call(objective, plan, captured_call.padded_length(T))
+    batch = captured_call.CallTensors.of(objective, head, plan)
     key = (NAME, call, batch.key(), plan.gradient.tiles, plan.gradient.identity, plan.buffered, plan.group,
            None if plan.statistics_only is None else (plan.statistics_only.tiles, plan.statistics_only.identity),
            engine.tiles, engine.kernels.compiled)  # fmt: skip
@@ -262,7 +262,8 @@ def captured(engine: Engine, objective: Objective, head: Head, plan: SpeedPlan, 
 
     loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias) = engine.captures.run(key, work, batch.tensors)
     if padded:
-        logp, entropy, d_hidden = (capture.unpad(t, T) if t is not None else None for t in (logp, entropy, d_hidden))
+        unpad = captured_call.unpad
+        logp, entropy, d_hidden = (unpad(t, T) if t is not None else None for t in (logp, entropy, d_hidden))
     return loss, metrics, logp, entropy, (d_hidden, d_weight, d_bias)
 
 

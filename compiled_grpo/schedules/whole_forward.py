@@ -5,12 +5,12 @@ w.r.t. logp and entropy, TRL's metrics) is device work that reads nothing back t
 one replay where it was the statistics pass's replay plus the ~100 small launches of the gather, the scatter back
 to [B, T], the objective's and the metrics' graphs around it; in a step bound by the host's launch rate those
 launches are what the step waits on. The backward pushes the per-slot gradients (times the incoming one) through
-the schedule's own gradient pass, itself a replay (`memory.StatisticsThenRecompute.gradients`, the sparse one's).
+the schedule's own gradient pass, itself a replay (`recompute.StatisticsThenRecompute.gradients`, the sparse one's).
 
-Applies where calls are captured (`capture.capturable`) and the call is differentiable. The entropy threshold of
+Applies where calls are captured (`captured_call.capturable`) and the call is differentiable. The entropy threshold of
 `top_entropy_quantile < 1` is taken inside the graph too: its quantile over the active tokens, whose count only
 the device holds there, is `quantile.masked_linear_quantile` (bitwise torch.quantile's). Values are bitwise those
-of the same work run uncaptured on the same layout (completion lengths bucketed as `capture.pad_call` says).
+of the same work run uncaptured on the same layout (completion lengths bucketed as `captured_call.pad_call` says).
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import capture, quantile, streaming, tiling
+from .. import quantile, streaming, tiling
 from ..head import Head
 from ..inputs import LossInputs
 from ..streaming import RowGradients
 from ..tiling import TilePlan
-from . import memory, passes
+from . import captured_call, passes
 from .passes import Engine, Wanted
+from .recompute import Recompute
 from .speed import FlatStatistics, scatter_rows
 
 
 def applies(engine: Engine, objective, head: Head) -> bool:
     hidden = objective.inputs.hidden
     small = objective.inputs.completion_mask.numel() <= quantile.TORCH_QUANTILE_LIMIT  # the threshold's one form
-    return (capture.capturable(engine, objective) and (small or not objective.cfg.uses_entropy_mask)
+    return (captured_call.capturable(engine, objective) and (small or not objective.cfg.uses_entropy_mask)
             and objective.sequence_slices is None and passes.differentiable(hidden, head))  # fmt: skip
 
 
@@ -42,9 +43,9 @@ def run(function, engine: Engine, objective, head: Head, plan: TilePlan):
     inputs = objective.inputs
     T = inputs.completion_mask.shape[1]
     laid_out, padded = objective, plan
-    if not inputs.packed:  # a few completion lengths serve a run (`capture.LENGTH_BUCKET`)
-        laid_out, padded = capture.pad_call(objective, plan, capture.padded_length(T))
-    batch = capture.CallTensors.of(laid_out, head, padded)
+    if not inputs.packed:  # a few completion lengths serve a run (`captured_call.LENGTH_BUCKET`)
+        laid_out, padded = captured_call.pad_call(objective, plan, captured_call.padded_length(T))
+    batch = captured_call.CallTensors.of(laid_out, head, padded)
     key = ("whole forward", batch.key(), padded.tiles, padded.identity, engine.tiles, engine.kernels.compiled)
 
     def work(*tensors):
@@ -53,11 +54,11 @@ def run(function, engine: Engine, objective, head: Head, plan: TilePlan):
 
     value, metrics, logp, entropy, entropy_mask, per_slot = engine.captures.run(key, work, batch.tensors)
     template = head._replace(weight=None, bias=None)
-    setup = memory.Recompute(engine, None, plan.tiles, template, active_rows=plan.active.numel(),
+    setup = Recompute(engine, None, plan.tiles, template, active_rows=plan.active.numel(),
                              gradients=function.gradients)  # fmt: skip
     loss = LossOfSlots.apply(value, inputs.hidden, head.weight, head.bias, per_slot, Backward(setup, plan, inputs))
-    entropy_mask = None if entropy_mask is None else capture.unpad(entropy_mask, T)
-    return loss, metrics, capture.unpad(logp, T), capture.unpad(entropy, T), entropy_mask
+    entropy_mask = None if entropy_mask is None else captured_call.unpad(entropy_mask, T)
+    return loss, metrics, captured_call.unpad(logp, T), captured_call.unpad(entropy, T), entropy_mask
 
 
 def forward_work(engine: Engine, objective, head: Head, plan: TilePlan):
@@ -86,7 +87,7 @@ class Backward:
     """What the backward of a whole-forward call needs besides the tensors autograd saves: the gradient pass's
     setup, the call's plan (slots of its own layout) and its inputs (ids, packed rows) to gather the slots again."""
 
-    setup: memory.Recompute
+    setup: Recompute
     plan: TilePlan
     inputs: LossInputs
 

@@ -2,7 +2,7 @@
 GPU, bf16, 8192 tokens, V=151936, dapo, forward + backward, beside the three lm_head GEMMs (the floor) in the same
 run.
 
-    python -m benchmarks.capture [--hidden 896,1536,4096] [--repeats 20] [--out benchmark-results/capture]
+    python -m benchmarks.diagnostics.capture [--hidden 896,1536,4096] [--repeats 20] [--out benchmark-results/capture]
 
 Per method: the median time per call (synchronized), and the host's time to issue its forward and its backward
 (each returns before the GPU has finished; the forward's plan waits for the GPU once, which starts each call

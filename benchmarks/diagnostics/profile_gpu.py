@@ -4,7 +4,7 @@ host), largest first, and what the host was doing during them: the library's pha
 objective, gradient passes, metrics...) are wrapped in profiler ranges for the profiled runs only, and each
 gap's time is charged to the innermost phase the host was in.
 
-python -m benchmarks.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
+python -m benchmarks.diagnostics.profile_gpu [--schedule memory] [--shape S1] [--rows 20]
 
 `--schedule` is one of the GRPO loss's schedules, or `primitive` (`fused_linear_logprobs` with the loss on top),
 `primitive-rounded` (the same with `round_logits=True`) or `trl` (TRL 1.16's fused head with the same loss), as
@@ -24,18 +24,19 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import reference
 from benchmarks import gpu
 from benchmarks.gpu import SHAPES, loss_settings, make_inputs
-from compiled_grpo import FusedLinearGRPOLoss, batch_objective, logprobs, quantile, tiling, validation
-from compiled_grpo.schedules import memory, passes, sparse, speed, whole_forward
+from compiled_grpo import FusedLinearGRPOLoss, batch_objective, checks, logprobs, quantile, tiling
+from compiled_grpo.schedules import passes, recompute, sparse_gradients, speed, whole_forward
 
 # (owner, attribute) of the phases charged with idle time
 PHASES = (
-    (speed, "plan"), (memory, "plan"), (speed, "tile_gradients"), (tiling, "positions_and_lengths"),
+    (speed, "plan"), (recompute, "plan"), (speed, "tile_gradients"), (tiling, "positions_and_lengths"),
     (passes, "gather_slots"), (passes, "statistics_pass"), (passes, "vocab_outer_gradients"),
-    (passes.TokenOuterGradients, "add"), (passes.TokenOuterGradients, "result"), (sparse, "rows_with_gradient"),
-    (sparse, "gradients_of_rows"), (batch_objective.Objective, "loss_and_metrics"), (batch_objective, "metrics"),
-    (batch_objective.Objective, "normalizers"), (quantile, "high_entropy_mask"), (validation, "statistics_faults"),
-    (speed.PrecomputedGradients, "backward"), (memory.StatisticsThenRecompute, "backward"),
-    (sparse.StatisticsThenSparseGradients, "gradients"), (whole_forward, "forward_work"),
+    (passes.TokenOuterGradients, "add"), (passes.TokenOuterGradients, "result"),
+    (sparse_gradients, "rows_with_gradient"), (sparse_gradients, "gradients_of_rows"),
+    (batch_objective.Objective, "loss_and_metrics"), (batch_objective, "metrics"),
+    (batch_objective.Objective, "normalizers"), (quantile, "high_entropy_mask"), (checks, "statistics_faults"),
+    (speed.PrecomputedGradients, "backward"), (recompute.StatisticsThenRecompute, "backward"),
+    (sparse_gradients.StatisticsThenSparseGradients, "gradients"), (whole_forward, "forward_work"),
     (whole_forward.LossOfSlots, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
 )  # fmt: skip
 # heads with the loss on top, as benchmarks.gpu runs them

@@ -2,7 +2,7 @@
 `torch.cuda.set_sync_debug_mode("warn")`, which warns at every operation that synchronizes with the device; each
 wait is reported with the innermost frames of the stack that are not torch's own, counted per place.
 
-    python -m benchmarks.host_waits --model 0.5B --batch dense --trainers grpo,auto,captured [--out DIR]
+    python -m benchmarks.diagnostics.host_waits --model 0.5B --batch dense --trainers grpo,auto,captured [--out DIR]
 
 In a step bound by the host's launch rate, every wait throws away the host's lead over the GPU: the kernels
 queued behind it are no longer hidden behind the host's work. Writes `host-waits-<model>-<batch>.json`.

@@ -1,5 +1,5 @@
 """How many CUDA graphs a training run's captured calls need, and how many of its calls replay one: the captured
-loss's own bucketing (`capture.padded_length`, the plan's slots rounded to `passes.CAPTURE_SLOT_BUCKET`) and its
+loss's own bucketing (`captured_call.padded_length`, the plan's slots rounded to `passes.CAPTURE_SLOT_BUCKET`) and its
 own graph cache (`capture.Captures`: a key's first call runs uncaptured, its second captures, at most `--limit`
 graphs kept, least recently used dropped), driven by the layouts of simulated batches. Host arithmetic only (no
 GPU, nothing captured): the graph keys are those of a memory-schedule call on a GPU (the whole forward, keyed by
@@ -12,7 +12,7 @@ Completion lengths per batch (TRL pads a batch to its longest completion, capped
     generation stops at max_completion_length);
   cycle4: the four micro-batches of `benchmarks.trl_step --batches varied`, taking turns.
 
-    python -m benchmarks.capture_layouts [--steps 500] [--batch 8] [--max-length 1024] [--limits 16,64]
+    python -m benchmarks.diagnostics.capture_layouts [--steps 500] [--batch 8] [--max-length 1024] [--limits 16,64]
         [--out docs/benchmarks/archive/capture/layouts]
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from compiled_grpo import capture, tiling
-from compiled_grpo.schedules import passes
+from compiled_grpo.schedules import captured_call, passes
 
 DISTRIBUTIONS = ("uniform", "capped", "cycle4")
 
@@ -72,9 +72,9 @@ def call_keys(lengths: torch.Tensor) -> list[tuple]:
     tiles = tiling.Tiles.for_device(torch.device("cuda"), captured=True)
     plan = tiling.plan_mask(mask, tiles.token_tile, tiles.tail_tile, passes.CAPTURE_SLOT_BUCKET)
     keys = []
-    if T % capture.LENGTH_BUCKET == 0:  # `capture.checks_captures`
+    if T % captured_call.LENGTH_BUCKET == 0:  # `captured_call.checks_captures`
         keys += [("value checks", mask.shape), ("statistics checks", mask.shape)]
-    keys.append(("whole forward", capture.padded_length(T), plan.tiles))
+    keys.append(("whole forward", captured_call.padded_length(T), plan.tiles))
     keys.append(("vocabulary-outer gradients", plan.tiles))
     return keys
 

@@ -15,7 +15,7 @@ statistics pass with its fold compiled under Inductor's tuning options. Each row
 and from a profile of 3 calls the kernels per call, the GPU's busy time and the call's span (host start to last
 kernel): span - busy is the time the GPU waited inside a call.
 
-    python -m benchmarks.gradient_pass [--hidden 896,1536,4096] [--repeats 10] [--out gradient-pass.json]
+    python -m benchmarks.diagnostics.gradient_pass [--hidden 896,1536,4096] [--repeats 10] [--out gradient-pass.json]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ forward, TRL's fused head forward and backward, this library's loss call and its
 read-back, the backward as a whole). Per method and step: wall time, GPU busy time and the idle rest, kernels
 launched, and per phase the host's time in it and the GPU time of the kernels it launched.
 
-    python -m benchmarks.profile_step --model 0.5B --batch dense --trainers grpo,auto,memory [--out DIR]
+    python -m benchmarks.diagnostics.profile_step --model 0.5B --batch dense --trainers grpo,auto,memory [--out DIR]
 
 Writes `profile-step-<model>-<batch>.json` and prints a table.
 """
@@ -21,10 +21,11 @@ import trl.kernels.chunked_logprob as trl_head
 from torch.profiler import ProfilerActivity, profile, record_function
 from trl import GRPOTrainer
 
-from benchmarks import profile_gpu, trl_step
+from benchmarks import trl_step
+from benchmarks.diagnostics import profile_gpu
 from compiled_grpo import FusedLinearGRPOLoss, tiling
 from compiled_grpo.integrations import trl as trl_integration
-from compiled_grpo.schedules import memory, speed, whole_forward
+from compiled_grpo.schedules import recompute, speed, whole_forward
 
 PHASES = (  # (owner, attribute, phase name)
     (GRPOTrainer, "_compute_loss", "compute_loss (TRL's or ours)"),
@@ -35,7 +36,7 @@ PHASES = (  # (owner, attribute, phase name)
     (trl_integration, "read_back", "metrics read back (library)"),
     (tiling, "positions_and_lengths", "the plan's counts and wait (library)"),
     (speed.PrecomputedGradients, "backward", "head backward (library)"),
-    (memory.StatisticsThenRecompute, "backward", "head backward (library)"),
+    (recompute.StatisticsThenRecompute, "backward", "head backward (library)"),
     (whole_forward.LossOfSlots, "backward", "head backward (library)"),
 )
 MODEL_FORWARD, BACKWARD, STEP = "backbone forward", "backward (all)", "step"
