@@ -396,7 +396,7 @@ def test_layouts_share_one_weight_gradient(schedule, monkeypatch):
     """Two completion lengths taking turns: each length's gradient pass is its own graph, and every one writes dW
     into one shared buffer, counted once in the pool; each call's gradients are still its own (the reference's)."""
     monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
-    monkeypatch.setattr(capture_outputs, "PACKED_NUMEL", 256)  # dW (of this small lm_head) as a large output, on its own
+    monkeypatch.setattr(capture_outputs, "PACKED_NUMEL", 256)  # dW (of this small lm_head) as a large output
     settings = {"loss_type": "dapo", "entropy_coef": 0.01}
     loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, capture=True, **TILES, **settings)
     loss_fn.captures = ReplayOnTheStaticInputs()

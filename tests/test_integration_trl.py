@@ -38,7 +38,8 @@ def digit_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
-def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_options=None, **settings):
+def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_options=None, reward=None, skip=None,
+                 **settings):  # fmt: skip
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=max_steps, learning_rate=5e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
@@ -54,8 +55,10 @@ def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_optio
         extra["peft_config"] = peft_config
     if loss_options is not None:
         extra["loss_options"] = loss_options
-    return cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=data, processing_class=tokenizer(),
-               **extra)  # fmt: skip
+    if skip is not None:  # "off" for False
+        extra["skip_zero_advantage"] = False if skip == "off" else skip
+    return cls(model=model, reward_funcs=reward or digit_reward, args=args, train_dataset=data,
+               processing_class=tokenizer(), **extra)  # fmt: skip
 
 
 def micro_batch(seed=0, B=4, P=3, C=6):

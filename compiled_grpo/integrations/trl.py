@@ -28,6 +28,7 @@ from .. import logprobs
 from ..loss import FusedLinearGRPOLoss
 from ..schedules import sparse
 from ..tiling import Tiles
+from . import regroup, trl_entropy, zero_advantage
 from .trl_head import (  # noqa: F401 (public names of this module)
     CapturedFusedHeadFunction,
     EagerFusedHeadFunction,
@@ -163,13 +164,16 @@ class CompiledGRPOTrainer(GRPOTrainer):
     back when logged: a step does not wait on the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
-                 **kwargs):  # fmt: skip
+                 skip_zero_advantage="auto", **kwargs):  # fmt: skip
+        zero_advantage.check_mode(skip_zero_advantage)
         super().__init__(*args, **kwargs)
         weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
         options = {"capture": captures_by_default(weight), **(loss_options or {})}
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
         if "logits_budget_bytes" not in options:
             self.fused_loss.logits_budget_bytes = trainer_budget(self.fused_loss, weight, self.accelerator.device)
+        self.skip_zero_advantage = skip_zero_advantage
+        self.skip_reason = zero_advantage.reason_not_to_split(self, skip_zero_advantage, weight.shape[1])
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         settle(self._metrics["train" if self.model.training else "eval"])
@@ -182,6 +186,18 @@ class CompiledGRPOTrainer(GRPOTrainer):
         `round_logits`, so an on-policy ratio stays exactly 1)."""
         with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's micro-batch; under skip_zero_advantage="all", a new generation batch's sequences with a gradient
+        are first gathered into the first micro-batches of each optimizer step (`regroup`)."""
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        fresh = self._buffered_inputs is not buffered
+        multimodal = any(inputs.get(k) is not None for k in MODEL_EXTRA_INPUTS)
+        if fresh and not multimodal and regroup.applies(self):
+            self._buffered_inputs = regroup.regroup(self, self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     def _compute_loss(self, model, inputs):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -196,18 +212,29 @@ class CompiledGRPOTrainer(GRPOTrainer):
         lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        multimodal = any(k in model_inputs for k in MODEL_EXTRA_INPUTS)
+        plan = zero_advantage.row_plan(self, inputs, mode, multimodal)  # sequences at advantage 0 skip their backward
+        forward = lambda rows: completion_hidden_states(model, lm_head, rows, completion_ids.size(1))  # noqa: E731
         with self.accelerator.autocast():
-            hidden, outputs = completion_hidden_states(model, lm_head, model_inputs, completion_ids.size(1))
-            out = self._fused_loss(hidden, lm_head, mask, inputs, mode)
-        loss = out.loss
+            hidden, outputs = zero_advantage.split_forward(forward, model_inputs, plan)
+            if hidden is None:  # no sequence to train and nothing to log: no forward at all
+                zero_advantage.log_skipped(self, plan, mode)
+                return zero_advantage.zero_gradients_loss(model)
+            rows = zero_advantage.loss_rows(self, inputs, mask, plan)
+            with torch.set_grad_enabled(hidden.requires_grad):  # no loss graph when no row has a gradient
+                out = self._fused_loss(hidden, lm_head, rows.mask, rows.inputs, mode)
+        loss = out.loss * rows.share
+        if not hidden.requires_grad:  # every row ran without grad: their parameters' gradients are zeros
+            loss = loss + zero_advantage.zero_gradients_loss(model)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
             aux = self.accelerator.gather_for_metrics(outputs.aux_loss.detach()).mean()
             self._metrics[mode]["aux_loss"].append(aux)
-        for name, value in out.metrics.items():  # read back when logged (`settle`)
+        for name, value in out.metrics.items() if rows.log_metrics else ():  # read back when logged (`settle`)
             self._metrics[mode][name].append(value.detach())
+        zero_advantage.log_skipped(self, plan, mode)
         if self._entropy_bonus_enabled:
-            self._update_entropy_controller(out, mask, mode)
+            trl_entropy.update_entropy_controller(self, out, mask, mode)
         return loss
 
     def _fused_loss(self, hidden, lm_head, mask, inputs, mode):
@@ -231,41 +258,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
             "num_processes": self.accelerator.num_processes,
             "gradient_accumulation_steps": accumulation,
             "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
-            "entropy_coef": self._entropy_coef_to_apply(hidden.device),
+            "entropy_coef": trl_entropy.entropy_coef_to_apply(self, hidden.device),
         }
         if autocast_off is None:
             return self.fused_loss(hidden, weight, completion_ids, mask, inputs["advantages"], **call)
         with autocast_off:
             return self.fused_loss(hidden, weight.float(), completion_ids, mask, inputs["advantages"], **call)
-
-    def _entropy_coef_to_apply(self, device):
-        """TRL's gating: the coefficient from the end of the previous optimizer step; 0 when the bonus is off.
-        A tensor, so that a changing coefficient never recompiles anything and policy_loss is logged as TRL does."""
-        if not self._entropy_bonus_enabled:
-            return 0.0
-        if self.use_adaptive_entropy:
-            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
-        else:
-            coef = self.entropy_coef
-        return torch.full((), float(coef), device=device)  # filled on the device: a copy from the host would wait
-
-    def _update_entropy_controller(self, out, mask, mode):
-        """TRL's adaptive entropy controller: a window-global entropy over the accumulation window, all ranks."""
-        if self.use_adaptive_entropy and mode == "train":
-            effective = mask if out.entropy_mask is None else mask * out.entropy_mask
-            stats = torch.stack([(out.entropy * effective).sum(), effective.sum().to(out.entropy.dtype)]).detach()
-            self._entropy_window_stats = (
-                stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
-            )
-            if self.accelerator.sync_gradients:
-                window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
-                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
-                step = self.args.entropy_coef_delta
-                if world_entropy <= self.args.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
-                else:
-                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
-                self._last_world_entropy = world_entropy
-                self._entropy_window_stats = None
-        if mode == "train" and self.accelerator.sync_gradients:
-            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
