@@ -27,17 +27,39 @@ mixed_precision: 'no'
 """
 
 
-def test_two_ranks_under_accelerate_launch(tmp_path):
+def launch(tmp_path, *script_args):
     (tmp_path / "accelerate.yaml").write_text(CONFIG)
     paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
-               str(HERE / "accelerate_run.py"), str(tmp_path)]  # fmt: skip
+               str(HERE / "accelerate_run.py"), str(tmp_path), *script_args]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_two_ranks_under_accelerate_launch(tmp_path):
+    launch(tmp_path)
     grpo, ours = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("grpo", "compiled"))
     assert grpo["ranks"] == ours["ranks"] == 2 and "MULTI_CPU" in ours["distributed_type"]
     assert len(ours["steps"]) == len(grpo["steps"]) == 3
     for step, (a, b) in enumerate(zip(ours["steps"], grpo["steps"], strict=True)):
         for key in ("loss", "grad_norm", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"step {step} {key}: {a[key]} vs {b[key]}"
+
+
+def test_two_ranks_skip_zero_advantage_sequences_in_step_with_grpo_trainer(tmp_path):
+    """One rank's micro-batches wholly at advantage 0 while the other's are partly or not at all, gradient
+    accumulation 2: both skipping modes end every step (no collective left waiting) with GRPOTrainer's loss and
+    gradient norm, and "backward" with its entropy ("all" logs the metrics of the sequences with a gradient only,
+    and none for a step without any)."""
+    launch(tmp_path, "zero")
+    grpo = json.loads((tmp_path / "grpo.json").read_text())
+    for name, logged in (("skip-backward", LOGGED := ("loss", "grad_norm", "entropy")), ("skip-all", LOGGED[:2])):
+        ours = json.loads((tmp_path / f"{name}.json").read_text())
+        assert len(ours["steps"]) == len(grpo["steps"]) == 3
+        for step, (a, b) in enumerate(zip(ours["steps"], grpo["steps"], strict=True)):
+            for key in logged:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"{name} step {step} {key}"
+        ranks = [json.loads((tmp_path / f"{name}-rank{r}-zeros.json").read_text()) for r in (0, 1)]
+        one_wholly_other_not = [(a[0] == a[1]) != (b[0] == b[1]) for a, b in zip(*ranks, strict=True)]
+        assert any(one_wholly_other_not), ranks  # the case under test occurred: a stand-in row on one rank

@@ -48,13 +48,15 @@ class SkipNotice(UserWarning):
 
 class RowPlan(NamedTuple):
     """A micro-batch's forwards on this rank: the rows run with grad (empty: none at all), the rows run without
-    (None: no such forward), whether that forward only keeps step with the other ranks (its result dropped),
-    whether the loss gets the trained rows alone ("all"), whether this rank has a sequence with a gradient, and
-    the shares of all ranks' sequences that skipped their backward and their forward."""
+    (None: no such forward), whether either only keeps step with the other ranks (a stand-in row: the one without
+    grad dropped, the one with grad at advantage 0), whether the loss gets the trained rows alone ("all"), whether
+    any rank has a sequence with a gradient, and the shares of all ranks' sequences that skipped their backward
+    and their forward."""
 
     trained: torch.Tensor
     untrained: torch.Tensor | None
     stand_in: bool
+    trained_stand_in: bool
     sliced: bool
     any_gradient: bool
     skipped_backward: float
@@ -114,8 +116,9 @@ def plan_rows(trainer, advantages: torch.Tensor, forward_untrained: bool) -> Row
     alone = trainer.accelerator.num_processes == 1
     rows = torch.arange(zero.numel())
     trained, untrained = rows[~zero], rows[zero]
-    any_gradient = trained.numel() > 0
-    if not any_gradient and not alone:
+    any_gradient = bool((counts[:, 0] < counts[:, 1]).any())
+    trained_stand_in = trained.numel() == 0 and not alone
+    if trained_stand_in:
         trained, untrained = rows[:1], rows[1:]
     stand_in = forward_untrained and not alone and untrained.numel() == 0
     if stand_in:
@@ -125,7 +128,8 @@ def plan_rows(trainer, advantages: torch.Tensor, forward_untrained: bool) -> Row
     device = advantages.device
     kept = untrained.to(device) if forward_untrained and untrained.numel() else None
     sliced = not forward_untrained
-    return RowPlan(trained.to(device), kept, stand_in, sliced, any_gradient, share, 0.0 if forward_untrained else share)
+    skipped_forward = 0.0 if forward_untrained else share
+    return RowPlan(trained.to(device), kept, stand_in, trained_stand_in, sliced, any_gradient, share, skipped_forward)
 
 
 def rows_of(model_inputs: dict, rows: torch.Tensor) -> dict:
@@ -155,7 +159,7 @@ def split_forward(forward, model_inputs: dict, plan: RowPlan | None):
 def loss_rows(trainer, inputs: dict, mask: torch.Tensor, plan: RowPlan | None) -> LossRows:
     """The whole micro-batch, unless its untrained rows ran no forward ("all"): then the trained rows' inputs
     (num_items_in_batch as it is: the whole generation batch's), their loss scaled to the micro-batch's normalizer
-    (`normalizer_share`), and no metrics logged when no sequence has a gradient."""
+    (`normalizer_share`), and no metrics logged when no rank has a sequence with a gradient."""
     if plan is None or not plan.sliced:
         return LossRows(inputs, mask)
     out = dict(inputs)
@@ -165,7 +169,10 @@ def loss_rows(trainer, inputs: dict, mask: torch.Tensor, plan: RowPlan | None) -
     if out.get("num_items_in_batch") is None:  # the loss's default, over the whole micro-batch and every rank
         out["num_items_in_batch"] = trainer.accelerator.reduce(mask.sum(), "sum") * trainer.args.steps_per_generation
     share = normalizer_share(trainer.args.loss_type, mask, plan)
-    return LossRows(out, mask.index_select(0, plan.trained), share, plan.any_gradient)
+    rows_mask = mask.index_select(0, plan.trained)
+    if plan.trained_stand_in:  # its row keeps this rank's backward in step with the others: no token of it counts
+        rows_mask = torch.zeros_like(rows_mask)
+    return LossRows(out, rows_mask, share, plan.any_gradient)
 
 
 def normalizer_share(loss_type: str, mask: torch.Tensor, plan: RowPlan):
