@@ -4,19 +4,26 @@ bound any head and loss can reach: the same backbone's forward and backward with
 hidden states and no lm_head.
 
 Models: Qwen2.5-0.5B, 1.5B and 7B shapes (V 151936) with random bf16 weights (nothing downloaded). Micro-batches
-of 8 or 16 completions of 1024 tokens after 64-token prompts, dapo, in four kinds: `dense` (random advantages),
-`q0.2` (top_entropy_quantile 0.2), `half0` (every other group of 4 completions at advantage 0, as groups whose
-rewards are all equal), `both`, and `varied` (dense, but four micro-batches taking turns whose completions end at
-random lengths, the longest 1024, 819, 614 and 921 tokens: the layouts a training run meets, each padded to its
-longest completion as TRL pads them).
+of 8 or 16 completions of 1024 tokens after 64-token prompts, dapo, in these kinds: `dense` (random advantages),
+`q0.2` (top_entropy_quantile 0.2), `half0` (every other group of completions at advantage 0, as groups whose
+rewards are all equal), `zero75` (three of every four groups at 0), `both` (q0.2 and half0), and `varied` (dense,
+but four micro-batches taking turns whose completions end at random lengths, the longest 1024, 819, 614 and 921
+tokens: the layouts a training run meets, each padded to its longest completion as TRL pads them). A group is 4
+completions (B/4 for zero75 on one micro-batch: 2 of 8).
 
-    python -m benchmarks.trl_step --model 0.5B [--batches dense,q0.2,half0,both] [--sizes 8,16]
-        [--trainers grpo,auto,memory] [--repeats 5] [--out benchmark-results]
+`--generation N` times a whole optimizer step instead: one generation batch of N micro-batches (N x size
+completions, groups of 4) goes through the trainer's own `_prepare_inputs` (TRL's shuffle and split, and
+CompiledGRPOTrainer's regrouping), each micro-batch's `_compute_loss` + backward (gradient accumulation N), then
+AdamW's step (one fused AdamW shared by every trainer); the bound is the backbone's forward and backward on every
+micro-batch plus the same optimizer step.
+
+    python -m benchmarks.trl_step --model 0.5B [--batches dense,q0.2,half0,zero75,both] [--sizes 8,16]
+        [--trainers grpo,auto,skip-all] [--generation 2] [--repeats 5] [--out benchmark-results]
     python -m benchmarks.trl_step --report benchmark-results/trl-step-*.json [--out docs/benchmarks/trl-step]
 
-The first writes `trl-step-<model>.json` (row by row, so an interrupted run keeps what it measured); `--report`
-joins such files into `trl-step.md` and `trl-step.png` (the bound drawn as the floor line). `--model tiny` runs a
-small model on the CPU (a smoke test of this script).
+The first writes `trl-step-<model>.json` (`trl-step-<model>-step<N>.json` with `--generation`; row by row, so an
+interrupted run keeps what it measured); `--report` joins such files into `trl-step.md` and `trl-step.png` (the
+bound drawn as the floor line). `--model tiny` runs a small model on the CPU (a smoke test of this script).
 """
 
 from __future__ import annotations
@@ -82,8 +89,9 @@ class WaitingGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
 
 
-BATCHES = {"dense": (1.0, False), "q0.2": (0.2, False), "half0": (1.0, True), "both": (0.2, True),
-           "varied": (1.0, False)}  # fmt: skip
+# kind: (top_entropy_quantile, groups at advantage 0 of every four)
+BATCHES = {"dense": (1.0, 0), "q0.2": (0.2, 0), "half0": (1.0, 2), "zero75": (1.0, 3), "both": (0.2, 2),
+           "varied": (1.0, 0)}  # fmt: skip
 VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
@@ -115,6 +123,10 @@ TRAINERS = {  # name: (trainer, its options)
     # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
     "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
     "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
+    # sequences at advantage 0: no backward, and no forward ("all"); or trained as TRL does (False)
+    "skip-all": (CompiledGRPOTrainer, {"skip_zero_advantage": "all"}),
+    "skip-backward": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}),
+    "noskip": (CompiledGRPOTrainer, {"skip_zero_advantage": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
     "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
     "rounded-captured": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True, "capture": True}}),
@@ -138,6 +150,9 @@ LABELS = {
     "captured-smaller": "CompiledGRPOTrainer auto, captured calls, 128-row statistics, 4096-token gradient tiles",
     "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
     "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
+    "skip-all": "CompiledGRPOTrainer, skip_zero_advantage='all'",
+    "skip-backward": "CompiledGRPOTrainer, skip_zero_advantage='backward'",
+    "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
     "rounded-captured": "CompiledGRPOTrainer auto, round_logits=True, captured calls",
 }
@@ -151,26 +166,32 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int):
+def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int, accumulation: int = 1):
     cls, options = TRAINERS[name]
     args = GRPOConfig(
-        output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=8, report_to=[],
+        output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
-        top_entropy_quantile=q,
+        top_entropy_quantile=q, gradient_accumulation_steps=accumulation,
     )  # fmt: skip
-    data = Dataset.from_dict({"prompt": ["a"] * size})
+    data = Dataset.from_dict({"prompt": ["a"] * size * accumulation})
     extra = {} if options is None else {"compiled": True, **options}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
             train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
-    t.current_gradient_accumulation_steps = 1  # set by train(); this step runs outside it
+    t.current_gradient_accumulation_steps = accumulation  # set by train(); this step runs outside it
     return t
 
 
-def micro_batch(vocab: int, device, B: int, zero_half: bool, P=64, C=1024, seed=0) -> dict:
+def zero_groups(B: int, zeros: int, group: int) -> torch.Tensor:
+    """Which of B rows are at advantage 0: `zeros` of every four groups of `group` rows (the first ones)."""
+    return (torch.arange(B) // group) % 4 < zeros if zeros != 2 else (torch.arange(B) // group) % 2 == 0
+
+
+def micro_batch(vocab: int, device, B: int, zeros: int, P=64, C=1024, seed=0, group=None) -> dict:
     g = torch.Generator().manual_seed(seed)
     advantages = torch.randn(B, generator=g)
-    if zero_half:
-        advantages = torch.where((torch.arange(B) // 4) % 2 == 0, 0.0, advantages)
+    if zeros:  # groups of 4; three of four groups on one micro-batch of 8 need groups of 2
+        group = group or (4 if zeros == 2 else max(B // 4, 1))
+        advantages = torch.where(zero_groups(B, zeros, group), 0.0, advantages)
     inputs = {
         "prompt_ids": torch.randint(3, vocab, (B, P), generator=g),
         "prompt_mask": torch.ones(B, P, dtype=torch.long),
@@ -185,13 +206,13 @@ def micro_batch(vocab: int, device, B: int, zero_half: bool, P=64, C=1024, seed=
 def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
     """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
     completion a random length between half the batch's longest and it (one row at the longest)."""
-    _, zero_half = BATCHES[kind]
+    _, zeros = BATCHES[kind]
     if kind != "varied":
-        return [micro_batch(vocab, device, B, zero_half, C=C)]
+        return [micro_batch(vocab, device, B, zeros, C=C)]
     batches = []
     for i, fraction in enumerate(VARIED_LONGEST):
         longest = int(C * fraction)
-        inputs = micro_batch(vocab, device, B, zero_half, C=longest, seed=i)
+        inputs = micro_batch(vocab, device, B, zeros, C=longest, seed=i)
         g = torch.Generator().manual_seed(100 + i)
         lengths = torch.randint(longest // 2, longest + 1, (B,), generator=g)
         lengths[0] = longest
@@ -251,9 +272,7 @@ def with_measurement(row: dict, measured) -> dict:
 def pool_free_gib(captures) -> float:
     """GiB the graphs' pool reserves without a live tensor in it (the graphs' workspace between replays): memory the
     step cannot use, which an allocated peak does not show."""
-    if captures.pool is None:
-        return 0.0
-    return sum(s["total_size"] - s["allocated_size"] for s in captures.pool_segments()) / 2**30
+    return captures.pool_free() / 2**30
 
 
 def with_footprint(row: dict) -> dict:
@@ -327,29 +346,85 @@ def make_model(name: str, device) -> tuple:
     return model, vocab, completion
 
 
+def optimizer_step(t, generation: dict, optimizer):
+    """A whole optimizer step of trainer `t` over one generation batch: TRL's `_prepare_inputs` (its shuffle and
+    split, and CompiledGRPOTrainer's regrouping) hands out each micro-batch, `_compute_loss` + backward on each,
+    then the optimizer's step."""
+    t._generate_and_score_completions = lambda batch: generation  # the generation batch, as if just sampled
+    count = t.args.steps_per_generation
+
+    def step():
+        torch.manual_seed(0)  # TRL shuffles a generation batch's rows: the same order for every trainer
+        for i in range(count):
+            t._step = i
+            inputs = t._prepare_inputs(None)
+            with t.accelerator.autocast():
+                loss = t._compute_loss(t.model, inputs)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        settle(t._metrics["train"])
+
+    return step
+
+
+def bound_optimizer_step(model, generation: dict, count: int, optimizer):
+    """The bound of `optimizer_step`: the backbone's forward and backward with a trivial loss on each of the
+    generation batch's `count` micro-batches, then the same optimizer step."""
+    size = len(generation["advantages"]) // count
+    part = lambda i: {k: v[i * size : (i + 1) * size] if v.dim() else v for k, v in generation.items()}
+    inner = bound_step(model, [part(i) for i in range(count)])
+
+    def step():
+        for _ in range(count):
+            inner()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, dict, dict]:
+    """(the row's shape, {method: step}, {name: trainer}) for one batch kind: one micro-batch's `_compute_loss` +
+    backward, or with `--generation N` a whole optimizer step over N micro-batches."""
+    q, zeros = BATCHES[kind]
+    names = args.trainers.split(",")
+    vocab, device, on_gpu, completion = setup["vocab"], setup["device"], setup["on_gpu"], setup["completion"]
+    if not args.generation:
+        batches = micro_batches(vocab, device, size, kind, C=completion)
+        trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
+        steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
+        return f"{args.model} {kind} x{size}", steps, trainers
+    count, optimizer = args.generation, setup["optimizer"]
+    generation = micro_batch(vocab, device, size * count, zeros, C=completion, group=4)
+    trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, count) for name in names}
+    steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
+    steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
+    return f"{args.model} {kind} x{size} step/{count}", steps, trainers
+
+
 def sweep(args) -> None:
     on_gpu = torch.cuda.is_available() and args.model != "tiny"
     device = "cuda" if on_gpu else "cpu"
     model, vocab, completion = make_model(args.model, device)
     reset = lambda: model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=on_gpu) if args.generation else None
+    setup = {"vocab": vocab, "device": device, "on_gpu": on_gpu, "completion": completion, "optimizer": optimizer}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"trl-step-{args.model}.json"
+    path = out / (f"trl-step-{args.model}" + (f"-step{args.generation}" if args.generation else "") + ".json")
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "repeats": args.repeats}  # fmt: skip
     rows = []
     for size in map(int, args.sizes.split(",")):
         for kind in args.batches.split(","):
-            q, _ = BATCHES[kind]
-            batches = micro_batches(vocab, device, size, kind, C=completion)
-            shape = f"{args.model} {kind} x{size}"
-            steps = {BOUND: bound_step(model, batches)}
-            names = args.trainers.split(",")
-            trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
-            steps.update({name: trainer_step(t, batches) for name, t in trainers.items()})
+            shape, steps, trainers = steps_to_time(args, model, size, kind, setup)
             # every micro-batch twice before timing (a captured call's first two calls of a layout warm and capture)
-            for method, measured in timed(steps, args.repeats, on_gpu, reset, 2 * len(batches)).items():
+            warmups = 2 if args.generation else 2 * (len(VARIED_LONGEST) if kind == "varied" else 1)
+            for method, measured in timed(steps, args.repeats, on_gpu, reset, warmups).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
+                if args.generation:
+                    row["micro_batches"] = args.generation
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
                 if captures is not None:  # replays, the pool's reserve, and whether (and why) capture ended
                     row["replays"], row["pool_gib"] = captures.replays, captures.pool_bytes / 2**30
@@ -428,6 +503,7 @@ def main(argv=None):
     ap.add_argument("--sizes", default="8,16")
     ap.add_argument("--trainers", default=DEFAULT_TRAINERS, help=f"of {list(TRAINERS)}")
     ap.add_argument("--repeats", type=int, default=9, help="rounds; each runs every method once")
+    ap.add_argument("--generation", type=int, default=0, help="time whole optimizer steps over this many micro-batches")
     ap.add_argument("--out", default="benchmark-results")
     ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
     args = ap.parse_args(argv)

@@ -10,11 +10,10 @@ The first call of a key runs `work` uncaptured (it compiles and warms the kernel
 later calls copy their tensors into the graph's static inputs and replay. Outputs are copied out of the
 graph's static buffers, so a result stays valid across later calls; the small ones are written by the graph
 into one buffer per dtype (`StaticOutputs`), so that a replay's results come out in a copy or two rather than
-one per metric. A capture that fails (work that reads the
-host, say) is said once, and that key then runs uncaptured; the kept graphs are dropped with the pool the failed
-capture left recording, and later captures start a fresh one. Graphs share one memory pool (they never run at the
-same time); at most `limit` graphs are kept, the least recently used dropped first. For the same reason their
-large buffers share storage: every graph's static input at one position lies on one storage per dtype, and
+one per metric. A capture that fails (work that reads the host, say) is said once, and that key then runs
+uncaptured; the kept graphs are dropped with the pool the failed capture left recording, and later captures start
+a fresh one. Graphs share one memory pool (they never run at the same time); at most `limit` graphs are kept,
+the least recently used dropped first. For the same reason their large buffers share storage: every graph's static input at one position lies on one storage per dtype, and
 so does every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of each, not
 one per graph. The pool keeps each graph's workspace reserved between calls: where it and the static inputs grow
 past `pool_limit` bytes (the loss's workspace budget), every graph is dropped and the calls run uncaptured, said
@@ -139,6 +138,10 @@ class GraphPool(SharedStorages):
     def pool_reserved(self) -> int:
         """Bytes the allocator's segments of the graphs' pool hold (`torch.cuda.memory_snapshot`)."""
         return sum(s["total_size"] for s in pool_segments(self.pool))
+
+    def pool_free(self) -> int:
+        """Bytes the graphs' pool reserves without a live tensor in it (their workspaces between replays)."""
+        return sum(s["total_size"] - s["allocated_size"] for s in pool_segments(self.pool)) if self.pool else 0
 
     def inputs_reserved(self) -> int:
         """Bytes of the storages that the kept graphs' static inputs view (outside the pool), each counted once."""

@@ -44,15 +44,16 @@ class ZeroOnOneRank:
 
 
 def record_zero_rows(name: str, out: Path) -> list:
-    """Each micro-batch's (rows at advantage 0, rows) on this rank, as the trainer saw them."""
-    seen, zero_rows = [], zero_advantage.zero_rows
+    """Each micro-batch's (rows at advantage 0, rows) on this rank, as the trainer planned it (from the rows its
+    generation batch found at 0)."""
+    seen, plan_rows = [], zero_advantage.plan_rows
 
-    def recording(trainer, advantages):
-        zero, counts = zero_rows(trainer, advantages)
+    def recording(trainer, inputs, forward_untrained):
+        zero, _ = inputs[zero_advantage.ZERO_ROWS]
         seen.append([int(zero.sum()), zero.numel()])
-        return zero, counts
+        return plan_rows(trainer, inputs, forward_untrained)
 
-    zero_advantage.zero_rows = recording
+    zero_advantage.plan_rows = recording
     return seen
 
 

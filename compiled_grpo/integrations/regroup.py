@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import zero_advantage
+
 REGROUPS_EXACTLY = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
 
 
@@ -67,9 +69,8 @@ def gradient_first(micro_batches: list[dict]) -> list[dict]:
     in its order); one read-back of the advantages."""
     size = len(micro_batches[0]["advantages"])
     merged = merge(micro_batches)
-    advantages = merged["advantages"]
-    per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(-1)
-    zero = (per_row == 0).cpu().tolist()
+    advantages = merged["advantages"]  # one read-back of the generation batch's advantages
+    zero = zero_advantage.is_zero(advantages).cpu().tolist()
     order = [i for i, z in enumerate(zero) if not z] + [i for i, z in enumerate(zero) if z]
     return [take(merged, order[start : start + size]) for start in range(0, len(order), size)]
 

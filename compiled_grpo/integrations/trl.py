@@ -188,16 +188,18 @@ class CompiledGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's micro-batch; under skip_zero_advantage="all", a new generation batch's sequences with a gradient
-        are first gathered into the first micro-batches of each optimizer step (`regroup`)."""
+        """TRL's micro-batch; a new generation batch's micro-batches carry their rows at advantage 0 (one read-back
+        for them all), and under skip_zero_advantage="all" its sequences with a gradient are first gathered into
+        the first micro-batches of each optimizer step (`regroup`)."""
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
-        fresh = self._buffered_inputs is not buffered
-        multimodal = any(inputs.get(k) is not None for k in MODEL_EXTRA_INPUTS)
-        if fresh and not multimodal and regroup.applies(self):
+        fresh = self._buffered_inputs is not buffered and self.model.training and self.skip_reason is None
+        if not fresh or any(inputs.get(k) is not None for k in MODEL_EXTRA_INPUTS):
+            return inputs
+        if regroup.applies(self):
             self._buffered_inputs = regroup.regroup(self, self._buffered_inputs)
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return inputs
+        zero_advantage.annotate(self, self._buffered_inputs)  # each micro-batch's rows at 0, found once
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _compute_loss(self, model, inputs):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]

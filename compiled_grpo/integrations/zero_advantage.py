@@ -93,24 +93,43 @@ def why_not(trainer, mode, hidden_size: int) -> str | None:
     return next((why for applies, why in reasons if applies), None)
 
 
-def zero_rows(trainer, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's rows at advantage 0, [ranks, 2] counts of such rows and of rows on every rank), read back in one
-    wait; advantages [B], or [B, T] equal along T as TRL gives them."""
-    per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(-1)
-    zero = per_row == 0
-    counts = torch.stack([zero.sum(), torch.tensor(zero.numel(), device=zero.device)]).reshape(1, 2)
+# The key under which a micro-batch carries its rows at advantage 0 and every rank's counts, found when its
+# generation batch was made (`annotate`), so that a step reads nothing back from the device to plan its forwards.
+ZERO_ROWS = "compiled_grpo_zero_advantage_rows"
+
+
+def is_zero(advantages: torch.Tensor) -> torch.Tensor:
+    """Which rows are at advantage 0: advantages [B], or [B, T] equal along T as TRL gives them."""
+    return (advantages if advantages.dim() == 1 else advantages.abs().amax(-1)) == 0
+
+
+def zero_rows(trainer, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each micro-batch, (this rank's rows at advantage 0, [ranks, 2] counts of such rows and of rows on every
+    rank), read back in one wait (and one gather across ranks, which every rank must reach)."""
+    zeros = [is_zero(batch["advantages"]) for batch in micro_batches]
+    counts = torch.stack([torch.stack([z.sum(), torch.tensor(z.numel(), device=z.device)]) for z in zeros])
     if trainer.accelerator.num_processes > 1:  # every rank must take the same branches below
-        counts = trainer.accelerator.gather(counts).reshape(-1, 2)
-    both = torch.cat([zero.long(), counts.reshape(-1)]).cpu()
-    return both[: zero.numel()].bool(), both[zero.numel() :].reshape(-1, 2)
+        counts = trainer.accelerator.gather(counts.reshape(1, -1)).reshape(-1, len(zeros), 2).transpose(0, 1)
+    else:
+        counts = counts.reshape(len(zeros), 1, 2)
+    host = torch.cat([torch.cat(zeros).long(), counts.reshape(-1)]).cpu()
+    split = sum(z.numel() for z in zeros)
+    masks = host[:split].bool().split([z.numel() for z in zeros])
+    return list(zip(masks, host[split:].reshape(counts.shape), strict=True))
 
 
-def plan_rows(trainer, advantages: torch.Tensor, forward_untrained: bool) -> RowPlan | None:
+def annotate(trainer, micro_batches: list[dict]) -> None:
+    """Store each micro-batch's `zero_rows` in it (`ZERO_ROWS`): one wait per generation batch, none per step."""
+    for batch, rows in zip(micro_batches, zero_rows(trainer, micro_batches), strict=True):
+        batch[ZERO_ROWS] = rows
+
+
+def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
     """The split of a micro-batch by its sequences' advantages, the same calls on every rank, or None when no
     rank has a sequence at advantage 0. On several processes a rank always runs one forward with grad (one row,
     its loss 0, when it has nothing to train: the backward's gradient reduction must run on every rank) and, if
     untrained rows run a forward, one without (a stand-in row when it has none)."""
-    zero, counts = zero_rows(trainer, advantages)
+    zero, counts = inputs[ZERO_ROWS] if ZERO_ROWS in inputs else zero_rows(trainer, [inputs])[0]
     if int(counts[:, 0].sum()) == 0:
         return None
     alone = trainer.accelerator.num_processes == 1
@@ -125,7 +144,7 @@ def plan_rows(trainer, advantages: torch.Tensor, forward_untrained: bool) -> Row
         untrained = rows[:1]
     skipped_backward = float(counts[:, 0].sum()) - (0 if alone else float((counts[:, 0] == counts[:, 1]).sum()))
     share = skipped_backward / float(counts[:, 1].sum())
-    device = advantages.device
+    device = inputs["advantages"].device
     kept = untrained.to(device) if forward_untrained and untrained.numel() else None
     sliced = not forward_untrained
     skipped_forward = 0.0 if forward_untrained else share
@@ -221,14 +240,14 @@ def forwards_untrained(trainer) -> bool:
 
 def row_plan(trainer, inputs: dict, mode: str, multimodal: bool) -> RowPlan | None:
     """This micro-batch's split (None: one forward of every row, as TRL's trainer runs it). Train mode only (eval
-    has no backward); one read-back of the advantages."""
+    has no backward); a read-back of the advantages unless its generation batch was annotated (`annotate`)."""
     if mode != "train" or trainer.skip_reason is not None:
         return None
     if multimodal:
         say_once(trainer, "sequences at advantage 0 run their backward as the others: multimodal inputs are not "
                           "split by rows")  # fmt: skip
         return None
-    plan = plan_rows(trainer, inputs["advantages"], forwards_untrained(trainer))
+    plan = plan_rows(trainer, inputs, forwards_untrained(trainer))
     if plan is not None and trainer.skip_zero_advantage == "all" and not plan.sliced:
         say_once(trainer, "skip_zero_advantage='all' with top_entropy_quantile < 1 runs as 'backward' (the "
                           "threshold needs every sequence's entropy)")  # fmt: skip
