@@ -5,19 +5,19 @@ launch rate, not the GPU, sets its time. After planning (the one wait on the GPU
 tensors whose shapes the plan fixes, with no host read; so it can be recorded once as a CUDA graph and replayed.
 
 `Captures.run(key, work, tensors)`: `key` holds everything the graph bakes in besides the tensors' values (shapes,
-dtypes, settings, the tile plan's structure, the address of tensors used in place, such as the lm_head weight).
-The first call of a key runs `work` uncaptured (it compiles and warms the kernels); the second captures it;
-later calls copy their tensors into the graph's static inputs and replay. Outputs are copied out of the
-graph's static buffers, so a result stays valid across later calls; the small ones are written by the graph
-into one buffer per dtype (`StaticOutputs`), so that a replay's results come out in a copy or two rather than
-one per metric. A capture that fails (work that reads the host, say) is said once, and that key then runs
-uncaptured; the kept graphs are dropped with the pool the failed capture left recording, and later captures start
-a fresh one. Graphs share one memory pool (they never run at the same time); at most `limit` graphs are kept,
-the least recently used dropped first. For the same reason their large buffers share storage: every graph's static input at one position lies on one storage per dtype, and
-so does every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of each, not
-one per graph. The pool keeps each graph's workspace reserved between calls: where it and the static inputs grow
-past `pool_limit` bytes (the loss's workspace budget), every graph is dropped and the calls run uncaptured, said
-once.
+dtypes, settings, the tile plan's structure, the address of tensors used in place, such as the lm_head weight). The
+first call of a key runs `work` uncaptured (it compiles and warms the kernels); the second captures it; later calls
+copy their tensors into the graph's static inputs and replay. Outputs are copied out of the graph's static buffers,
+so a result stays valid across later calls; the small ones are written by the graph into one buffer per dtype
+(`StaticOutputs`), so that a replay's results come out in a copy or two rather than one per metric. A capture that
+fails (work that reads the host, say) is said once, and that key then runs uncaptured; the kept graphs are dropped
+with the pool the failed capture left recording, and later captures start a fresh one. Graphs share one memory pool
+(they never run at the same time); at most `limit` graphs are kept, the least recently used dropped first. For the
+same reason their large buffers share storage: every graph's static input at one position lies on one storage per
+dtype, and so does every graph's dX and dW (`Captures.shared`); a run whose batches change layout keeps one copy of
+each, not one per graph. The pool keeps each graph's workspace reserved between calls: where it and the static
+inputs grow past `pool_limit` bytes (the loss's workspace budget), every graph is dropped and the calls run
+uncaptured, said once.
 """
 
 from __future__ import annotations
