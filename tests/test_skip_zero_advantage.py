@@ -105,14 +105,22 @@ def test_all_skips_the_forward_with_trls_loss_and_gradients(tmp_path, loss_type,
         assert ours[2][name] == pytest.approx(value, rel=2e-5, abs=1e-6, nan_ok=True), name
 
 
-def test_all_with_a_quantile_runs_as_backward_and_says_so(tmp_path):
-    trainer = skipping_trainer(tmp_path, "all", top_entropy_quantile=0.5)
+@pytest.mark.parametrize("splits", [False, True])
+def test_all_with_a_quantile_runs_as_auto_and_says_so(tmp_path, splits, monkeypatch):
+    """The threshold needs every sequence's entropy, so "all" cannot skip a forward: it runs as the default, which
+    splits the forward at large hidden sizes (here made small) and not below."""
+    if splits:
+        monkeypatch.setattr(zero_advantage, "AUTO_HIDDEN_SIZE", 16)
+    with pytest.warns(zero_advantage.SkipNotice, match="runs as 'auto'"):
+        trainer = skipping_trainer(tmp_path, "all", top_entropy_quantile=0.5)
+    assert trainer.skip_zero_advantage == "auto" and (trainer.skip_reason is None) == splits
+    calls = count_forwards(trainer)
     inputs = with_zeros(micro_batch(), ZEROS["some"], trainer)
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
-    with pytest.warns(zero_advantage.SkipNotice, match="runs as 'backward'"):
-        ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    calls.clear()
+    ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    assert calls == ([(True, 2), (False, 2)] if splits else [(True, 4)])
     assert_same(ours, theirs)
-    assert ours[2]["zero_advantage/skipped_forward"] == 0.0
 
 
 def count_forwards(trainer):

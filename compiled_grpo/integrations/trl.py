@@ -172,8 +172,8 @@ class CompiledGRPOTrainer(GRPOTrainer):
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
         if "logits_budget_bytes" not in options:
             self.fused_loss.logits_budget_bytes = trainer_budget(self.fused_loss, weight, self.accelerator.device)
-        self.skip_zero_advantage = skip_zero_advantage
-        self.skip_reason = zero_advantage.reason_not_to_split(self, skip_zero_advantage, weight.shape[1])
+        self.skip_zero_advantage = zero_advantage.effective_mode(self, skip_zero_advantage)
+        self.skip_reason = zero_advantage.reason_not_to_split(self, self.skip_zero_advantage, weight.shape[1])
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         settle(self._metrics["train" if self.model.training else "eval"])

@@ -13,7 +13,7 @@ model's forward and backward on it. Here the micro-batch's model forward is spli
   share of the micro-batch's normalizer they hold (`normalizer_share`), so the loss and gradients are still the
   unsplit step's, while the logged metrics cover the sequences with a gradient only. A generation batch is also
   regrouped (`regroup.py`). With `top_entropy_quantile < 1` (its threshold needs every entropy) it runs as
-  "backward", said once.
+  "auto", said once.
 - `"auto"` (the default): "backward" where it measured faster: lm_heads of hidden size >= `AUTO_HIDDEN_SIZE`
   (below it the step is bound by the host's launches and a second, small forward costs more than the backward
   it saves).
@@ -223,6 +223,17 @@ def log_skipped(trainer, plan: RowPlan | None, mode: str) -> None:
     metrics["zero_advantage/skipped_forward"].append(0.0 if plan is None else plan.skipped_forward)
 
 
+def effective_mode(trainer, mode):
+    """The mode the trainer runs: `mode`, but "all" with `top_entropy_quantile < 1` (whose threshold needs every
+    sequence's entropy, so every sequence runs a forward) runs as "auto", the exact default, said once."""
+    check_mode(mode)
+    if mode == "all" and trainer.args.top_entropy_quantile < 1:
+        say_once(trainer, "skip_zero_advantage='all' with top_entropy_quantile < 1 runs as 'auto' (exact: the "
+                          "threshold needs every sequence's entropy)")  # fmt: skip
+        return "auto"
+    return mode
+
+
 def reason_not_to_split(trainer, mode, hidden_size: int) -> str | None:
     """At construction: why this trainer never splits (None: it may), said once unless the user chose False."""
     check_mode(mode)
@@ -233,9 +244,8 @@ def reason_not_to_split(trainer, mode, hidden_size: int) -> str | None:
 
 
 def forwards_untrained(trainer) -> bool:
-    """Whether sequences without a gradient still run a forward (without grad): always but under "all", and under
-    "all" too when the entropy threshold needs every sequence's entropy."""
-    return trainer.skip_zero_advantage != "all" or trainer.args.top_entropy_quantile < 1
+    """Whether sequences without a gradient still run a forward (without grad): always but under "all"."""
+    return trainer.skip_zero_advantage != "all"
 
 
 def row_plan(trainer, inputs: dict, mode: str, multimodal: bool) -> RowPlan | None:
@@ -247,11 +257,7 @@ def row_plan(trainer, inputs: dict, mode: str, multimodal: bool) -> RowPlan | No
         say_once(trainer, "sequences at advantage 0 run their backward as the others: multimodal inputs are not "
                           "split by rows")  # fmt: skip
         return None
-    plan = plan_rows(trainer, inputs, forwards_untrained(trainer))
-    if plan is not None and trainer.skip_zero_advantage == "all" and not plan.sliced:
-        say_once(trainer, "skip_zero_advantage='all' with top_entropy_quantile < 1 runs as 'backward' (the "
-                          "threshold needs every sequence's entropy)")  # fmt: skip
-    return plan
+    return plan_rows(trainer, inputs, forwards_untrained(trainer))
 
 
 def say_once(trainer, message: str) -> None:
