@@ -121,3 +121,30 @@ def test_split_product_study_runs_and_three_bf16_terms_reach_float32(tmp_path):
         assert rms[name, "split3"] <= 2 * fp32 and rms[name, "split2"] <= 64 * fp32, name
         assert rms[name, "bf16"] >= 100 * rms[name, "split2"], name
     assert "| split3 |" in (tmp_path / "split-product.md").read_text()
+
+
+def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(tmp_path):
+    """`benchmarks.trl_step` on the CPU (a tiny Qwen2): one micro-batch per step, and a whole optimizer step over a
+    generation batch of 2 micro-batches, each trainer's row written."""
+    import json
+
+    from benchmarks import trl_step
+
+    common = [
+        "--model",
+        "tiny",
+        "--sizes",
+        "8",
+        "--trainers",
+        "grpo,skip-all",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    trl_step.main([*common, "--batches", "zero75"])
+    trl_step.main([*common, "--batches", "half0", "--generation", "2"])
+    for name, shape in (("trl-step-tiny.json", "tiny zero75 x8"), ("trl-step-tiny-step2.json", "tiny half0 x8 step/2")):
+        rows = json.loads((tmp_path / name).read_text())["rows"]
+        assert {r["method"] for r in rows} == {trl_step.BOUND, "grpo", "skip-all"}
+        assert all(r["shape"] == shape and r["ms"] > 0 for r in rows)
