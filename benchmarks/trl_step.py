@@ -206,9 +206,9 @@ def micro_batch(vocab: int, device, B: int, zeros: int, P=64, C=1024, seed=0, gr
 
 def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
     """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
-    completion a random length between half the batch's longest and it (one row at the longest). In the single
-micro-batch mode the rows at advantage 0 are found once before timing, as in training when the generation batch
-is made (`zero_advantage.annotate`)."""
+        completion a random length between half the batch's longest and it (one row at the longest). In the single
+    micro-batch mode the rows at advantage 0 are found once before timing, as in training when the generation batch
+    is made (`zero_advantage.annotate`)."""
     _, zeros = BATCHES[kind]
     if kind != "varied":
         return [micro_batch(vocab, device, B, zeros, C=C)]
@@ -465,7 +465,10 @@ def report(args) -> None:
         "static buffers, the pool's live tensors) and the pool's free part (older runs: the pool's size and what "
         "the row held). The bound: the backbone's forward "
         "and backward with a trivial loss on its final hidden states (no lm_head). `gain reached`: the share of "
-        "the possible gain over GRPOTrainer (its time minus the bound's) that the row achieves.",
+        "the possible gain over GRPOTrainer (its time minus the bound's) that the row achieves. A `step/N` row times "
+        "a whole optimizer step over a generation batch of N micro-batches (`--generation N`: TRL's "
+        "`_prepare_inputs`, each micro-batch's loss and backward, fused AdamW); its bound is the backbone on every "
+        "micro-batch plus the same optimizer step.",
         "",
         "| model, batch, sequences | bound | " + " | ".join(LABELS[name] for name in present) + " |",
         "|---|---|" + "---|" * len(present),

@@ -235,10 +235,12 @@ def effective_mode(trainer, mode):
 
 
 def reason_not_to_split(trainer, mode, hidden_size: int) -> str | None:
-    """At construction: why this trainer never splits (None: it may), said once unless the user chose False."""
+    """At construction: why this trainer never splits (None: it may), said once where a setting prevents it, not
+    where the user chose False or where "auto" measured the split slower (the default's own choice)."""
     check_mode(mode)
     why = why_not(trainer, mode, hidden_size)
-    if why is not None and mode is not False:
+    chosen = mode is False or (mode == "auto" and why is not None and why.startswith("skip_zero_advantage='auto'"))
+    if why is not None and not chosen:
         say_once(trainer, f"sequences at advantage 0 run their backward as the others: {why}")
     return why
 
