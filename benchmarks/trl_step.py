@@ -206,9 +206,7 @@ def micro_batch(vocab: int, device, B: int, zeros: int, P=64, C=1024, seed=0, gr
 
 def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
     """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
-        completion a random length between half the batch's longest and it (one row at the longest). In the single
-    micro-batch mode the rows at advantage 0 are found once before timing, as in training when the generation batch
-    is made (`zero_advantage.annotate`)."""
+    completion a random length between half the batch's longest and it (one row at the longest)."""
     _, zeros = BATCHES[kind]
     if kind != "varied":
         return [micro_batch(vocab, device, B, zeros, C=C)]
@@ -397,7 +395,8 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
         batches = micro_batches(vocab, device, size, kind, C=completion)
         trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
         skipping = [t for t in trainers.values() if getattr(t, "skip_reason", "") is None]
-        if skipping:  # found when a generation batch is made, before its steps (one read-back for all of them)
+        # the rows at advantage 0 found before timing, as in training when the generation batch is made
+        if skipping:
             zero_advantage.annotate(skipping[0], batches)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
         return f"{args.model} {kind} x{size}", steps, trainers
