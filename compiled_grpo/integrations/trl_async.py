@@ -24,6 +24,7 @@ import torch
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import FusedLinearGRPOLoss
+from . import async_zero_advantage, zero_advantage
 from .trl import head_scaling, hidden_states_at_head, read_back
 
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
@@ -71,11 +72,25 @@ def async_loss_settings(trainer) -> dict:
 
 class CompiledAsyncGRPOTrainer(AsyncGRPOTrainer):
     """AsyncGRPOTrainer whose `compute_loss` is compiled_grpo's fused loss on the packed row. `compiled` and
-    `schedule` are passed to `FusedLinearGRPOLoss`; everything else is TRL's."""
+    `schedule` are passed to `FusedLinearGRPOLoss`; `skip_zero_advantage` ("auto", "backward", "all", False) packs
+    the samples at advantage 0 apart and runs their forward without grad, or not at all
+    (`async_zero_advantage`); everything else is TRL's."""
 
-    def __init__(self, *args, compiled: bool = True, schedule: str = "auto", **kwargs):
+    def __init__(self, *args, compiled: bool = True, schedule: str = "auto", skip_zero_advantage="auto", **kwargs):
+        zero_advantage.check_mode(skip_zero_advantage)
         super().__init__(*args, **kwargs)
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **async_loss_settings(self))
+        hidden_size = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight.shape[1]
+        self.skip_zero_advantage = skip_zero_advantage
+        self.skip_reason = async_zero_advantage.reason_not_to_split(self, skip_zero_advantage, hidden_size)
+
+    def get_train_dataloader(self):
+        """TRL's, its collator packing the samples at advantage 0 apart (`async_zero_advantage.SplitCollator`)."""
+        if self.skip_reason is not None:
+            return super().get_train_dataloader()
+        forward_untrained = self.skip_zero_advantage != "all"
+        with async_zero_advantage.split_collator(forward_untrained):
+            return super().get_train_dataloader()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return packed_row_loss(self, model, inputs)
@@ -89,14 +104,15 @@ def packed_row_loss(trainer, model, inputs: dict) -> torch.Tensor:
     lm_head = trainer.accelerator.unwrap_model(model).get_output_embeddings()
     forward_start = time.time()
     hidden, outputs = hidden_states_at_head(model, lm_head, model_inputs)
+    hidden, terms, mask = with_second_row(model, lm_head, inputs, hidden[0], terms)
     world = trainer.accelerator.num_processes
     trained = inputs["global_n_tokens"][0]
     sequences = int(terms.segment_id.max()) + 1 if terms.segment_id.numel() else 0
     out = trainer.fused_loss(
-        hidden[0],
+        hidden,
         lm_head.weight,
         terms.targets,
-        torch.ones_like(terms.targets),
+        mask,
         terms.advantages,
         bias=lm_head.bias,
         old_per_token_logps=terms.old_logps,
@@ -117,6 +133,29 @@ def packed_row_loss(trainer, model, inputs: dict) -> torch.Tensor:
     log_metrics(trainer, out, terms, outputs.aux_loss if trainer.aux_loss_enabled else None)
     account_step(trainer, inputs, trained)
     return loss
+
+
+def with_second_row(model, lm_head, inputs: dict, hidden, terms: LossTerms):
+    """(hidden states, loss terms, their mask): the row's, joined by those of the samples at advantage 0 packed
+    apart (`async_zero_advantage`: their forward without grad; a stand-in's run, then dropped)."""
+    second = async_zero_advantage.second_row(inputs)
+    counts = async_zero_advantage.first_row_counts(inputs)
+    if second is None:
+        return hidden, terms, torch.full_like(terms.targets, int(counts))
+    model_inputs, zero_terms = unpack(second)
+    with torch.no_grad():
+        rest, _ = hidden_states_at_head(model, lm_head, model_inputs)
+    if bool(second["stand_in"][0]):
+        return hidden, terms, torch.ones_like(terms.targets)
+    offsets = (hidden.shape[0], int(terms.segment_id.max()) + 1 if terms.segment_id.numel() else 0)
+    joined = LossTerms(
+        torch.cat([terms.token_index, zero_terms.token_index + offsets[0]]),
+        torch.cat([terms.targets, zero_terms.targets]),
+        torch.cat([terms.old_logps, zero_terms.old_logps]),
+        torch.cat([terms.advantages, zero_terms.advantages]),
+        torch.cat([terms.segment_id, zero_terms.segment_id + offsets[1]]),
+    )
+    return torch.cat([hidden, rest[0].to(hidden.dtype)]), joined, torch.ones_like(joined.targets)
 
 
 def log_metrics(trainer, out, terms: LossTerms, aux_loss) -> None:
