@@ -12,7 +12,8 @@ and no steps-per-generation factor. This trainer runs the model on the packed ro
 single position, takes the final hidden states, and streams the loss terms through `FusedLinearGRPOLoss`'s packed
 path (`row_index` = token_index, `segment_ids` = each term's sample), so no [positions, vocabulary] logits are
 made. TRL's metrics (ratio, kl, entropy, the clip ratios, aux_loss) and its per-step accounting are logged under
-TRL's names. Generation (the vLLM server and the rollout worker) is TRL's, unchanged.
+TRL's names. Generation (the vLLM server and the rollout worker) is TRL's, unchanged. Samples at advantage 0 are
+packed into a trie of their own that runs without grad, or not at all (`async_zero_advantage`).
 """
 
 from __future__ import annotations
