@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+
+from benchmarks.gpu import median_ms
 
 METHODS = ("fp32", "tf32", "bf16", "split2", "split3", "concat2", "concat3")
 
@@ -103,18 +104,11 @@ def errors(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 
 def timed_ms(fn, repeats: int) -> float | None:
+    """Median CUDA-event time of `fn()` after one warm-up call; None on a CPU."""
     if not torch.cuda.is_available():
         return None
     fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, repeats)
 
 
 def operands(tokens: int, vocab: int, hidden: int, device) -> dict:
