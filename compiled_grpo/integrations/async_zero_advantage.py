@@ -26,7 +26,7 @@ from trl.experimental.async_grpo.packing import TreeRow
 from . import zero_advantage
 
 ZERO = "zero/"
-PADDING = {"input_ids": 0, "shift_labels": -100, "token_index": -1, "tree_kv_index": -1, "tree_cu_seqlens_q": -1,
+PADDING = {"shift_labels": -100, "token_index": -1, "tree_kv_index": -1, "tree_cu_seqlens_q": -1,
            "tree_cu_seqlens_k": -1}  # fmt: skip
 
 
@@ -60,8 +60,8 @@ def padded(packs: list[dict], pad_token_id: int) -> dict:
     def pad(tensors, value):
         return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
 
-    batch = {key: pad([p[key] for p in packs], PADDING.get(key, 0)) for key in packs[0]}
-    batch["input_ids"] = pad([p["input_ids"] for p in packs], pad_token_id)
+    padding = {**PADDING, "input_ids": pad_token_id}
+    batch = {key: pad([p[key] for p in packs], padding.get(key, 0)) for key in packs[0]}
     batch["attention_mask"] = pad([torch.ones_like(p["input_ids"]) for p in packs], 0)
     return batch
 

@@ -21,12 +21,11 @@ REGROUPS_EXACTLY = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo"
 
 
 def applies(trainer) -> bool:
-    """Whether this trainer regroups its generation batches (train mode, "all", every condition above)."""
+    """Whether this trainer, in train mode and free to split, regroups its generation batches ("all", every
+    condition above)."""
     args = trainer.args
     return (
-        trainer.model.training
-        and trainer.skip_reason is None
-        and trainer.skip_zero_advantage == "all"
+        trainer.skip_zero_advantage == "all"
         and args.top_entropy_quantile == 1.0
         and args.loss_type in REGROUPS_EXACTLY
         and args.steps_per_generation % args.gradient_accumulation_steps == 0
