@@ -28,6 +28,7 @@ any fails, 2 on a selection that checks nothing or missing packages). It needs n
 pip install 'compiled-grpo[audit]'."""
 
 AUDITS = ("loss", "logprobs", "quantile", "entropy")
+DTYPE_CHOICES = ("float32", "bfloat16", "fp32-head")  # fp32-head: bf16 hidden states, a float32 lm_head
 MODES = ("eager", "compiled", "captured")  # captured: compiled, the work as CUDA graph replays (GPU only)
 
 
@@ -77,7 +78,9 @@ def parse(argv):
     size.add_argument("--quick", action="store_true", help="the default: small sizes, one seed")
     size.add_argument("--full", action="store_true", help="larger sizes, two seeds, more vocabularies")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    ap.add_argument("--dtype", choices=(*DTYPE_CHOICES, "both", "all"), default="all",
+                    help="all (the default): float32, bfloat16 and fp32-head (bf16 hidden states, float32 lm_head); "
+                    "both: float32 and bfloat16")  # fmt: skip
     ap.add_argument("--modes", default=None, help=f"comma-separated subset of: {', '.join(MODES)} (default: every "
                     "mode the device has; captured needs --device cuda)")  # fmt: skip
     ap.add_argument("--loss-types", default=",".join(LOSS_TYPES),
@@ -118,7 +121,7 @@ def run(args) -> int:
 
     console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and CI: do not squeeze the table
     warnings.filterwarnings("ignore", message=".* is meant for importance_sampling_level")
-    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+    dtypes = {"both": DTYPE_CHOICES[:2], "all": DTYPE_CHOICES}.get(args.dtype, (args.dtype,))
     size, seeds = (loss_audit.FULL, (0, 1)) if args.full else (loss_audit.QUICK, (0,))
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks mean fp32 GEMMs

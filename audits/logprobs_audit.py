@@ -21,7 +21,7 @@ from compiled_grpo import fused_linear_logprobs
 from compiled_grpo.logprobs import PRIMITIVE_CAPTURES, fused_linear_logprobs_with_extras
 
 from . import harness, reference, tolerances
-from .loss_audit import DTYPES, Size, relative_error
+from .loss_audit import DTYPES, FP32_HEAD, Size, relative_error
 from .results import CellResult
 
 CASES = ("plain", "temperature per token", "temperature per sequence", "scale softcap bias", "ignore_index 7",
@@ -41,11 +41,14 @@ class LogProbsCell:
 
 
 def cells(dtypes=tuple(DTYPES), modes=("eager", "compiled")) -> list[LogProbsCell]:
-    return [LogProbsCell(c, d, m) for c in CASES for d in dtypes for m in modes]
+    """Every case x dtype x mode (the fp32 head: not captured)."""
+    return [LogProbsCell(c, d, m) for c in CASES for d in dtypes for m in modes if d != FP32_HEAD or m != "captured"]
 
 
-def make_case(case: str, size: Size, dtype, device: str, seed: int = 0) -> dict:
-    """Inputs, primitive options and upstream gradients of a case."""
+def make_case(case: str, size: Size, dtype, device: str, seed: int = 0, weight_dtype=None) -> dict:
+    """Inputs, primitive options and upstream gradients of a case (`weight_dtype`: the weight's and bias's, where
+    not the hidden states')."""
+    weight_dtype = weight_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     B, T, H, V = size.B, size.T, size.H, size.V
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
@@ -70,8 +73,8 @@ def make_case(case: str, size: Size, dtype, device: str, seed: int = 0) -> dict:
         g_entropy = None
     x = {
         "hidden": rn(B, T, H).to(dtype).to(device),
-        "weight": (rn(V, H) * 2 / math.sqrt(H)).to(dtype).to(device),
-        "bias": (rn(V) * 0.3).to(dtype).to(device) if case == "scale softcap bias" else None,
+        "weight": (rn(V, H) * 2 / math.sqrt(H)).to(weight_dtype).to(device),
+        "bias": (rn(V) * 0.3).to(weight_dtype).to(device) if case == "scale softcap bias" else None,
         "targets": targets.to(device),
     }
     upstream = (g_logp.float().to(device), None if g_entropy is None else g_entropy.float().to(device))
@@ -141,14 +144,36 @@ def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
                                                                            **options), tol)  # fmt: skip
     ignored = x["targets"] == options["ignore_index"]
     result.check("ignored targets exactly 0", float((logp[ignored] != 0).sum() + (entropy[ignored] != 0).sum()), 0.0)
-    naive_grads = gradients(lambda h, w, t, bias: naive(h, w, t, bias, **options), x, upstream)[2]
+    limits, naive_grads = {}, {}
+    if cell.dtype == FP32_HEAD:
+        limits = fp32_head_limits(ours, x, upstream, (ref_logp, ref_entropy, ref_grads))
+    else:
+        naive_grads = gradients(lambda h, w, t, bias: naive(h, w, t, bias, **options), x, upstream)[2]
+    for what, bound in limits.items():
+        if what in ("logp", "entropy"):
+            result.check(
+                f"{what} (fp32 head)",
+                relative_error(logp if what == "logp" else entropy, ref_logp if what == "logp" else ref_entropy),
+                bound,
+            )
     for k, g in ref_grads.items():
-        bound = tol["gradient"]
+        bound = limits.get(f"d {k}", tol["gradient"])
         if bound is None:
             slack = tolerances.BF16_GRADIENT_SLACK
             bound = min(relative_error(naive_grads[k], g) + slack, tolerances.BF16_GRADIENT_CEILING)
         result.check(f"d {k}", relative_error(grads[k], g), bound)
     return result
+
+
+def fp32_head_limits(ours, x: dict, upstream, exact) -> dict[str, float]:
+    """The fp32 head's bounds: at most FP32_HEAD_FACTOR times the error of float32 GEMMs on the same inputs (the
+    hidden states widened; their gradient rounded back to bf16, as the cast returns it), plus FP32_HEAD_FLOOR."""
+    logp, entropy, grads = gradients(ours, {**x, "hidden": x["hidden"].float()}, upstream)
+    grads["hidden"] = grads["hidden"].to(x["hidden"].dtype)
+    ref_logp, ref_entropy, ref_grads = exact
+    errors = {"logp": relative_error(logp, ref_logp), "entropy": relative_error(entropy, ref_entropy),
+              **{f"d {k}": relative_error(grads[k], g) for k, g in ref_grads.items()}}  # fmt: skip
+    return {what: tolerances.FP32_HEAD_FACTOR * e + tolerances.FP32_HEAD_FLOOR for what, e in errors.items()}
 
 
 def check_extras(result: CellResult, extras, exact, tol) -> None:
@@ -162,6 +187,8 @@ def check_extras(result: CellResult, extras, exact, tol) -> None:
 def run(audit_cells: list[LogProbsCell], size: Size, device: str, advance=lambda: None) -> list[CellResult]:
     results = []
     for cell in audit_cells:
-        results.append(audit_cell(cell, make_case(cell.case, size, DTYPES[cell.dtype], device)))
+        fp32_head = cell.dtype == FP32_HEAD
+        dtype, weight_dtype = (torch.bfloat16, torch.float32) if fp32_head else (DTYPES[cell.dtype], None)
+        results.append(audit_cell(cell, make_case(cell.case, size, dtype, device, weight_dtype=weight_dtype)))
         advance()
     return results

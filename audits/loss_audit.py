@@ -25,6 +25,9 @@ GROUP_QUANTILES = (1.0, 0.5, 0.2)
 FEW_QUANTILES = (1.0, 0.2)  # the dense and the sparse gradient pass, every schedule: the captured and rounded cells
 GROUP_SIZE = 2  # completions per prompt in the "groups" batches (B = 4 quick, 8 full)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the fp32 head (`cast_lm_head_to_fp32`): bf16 hidden states against a float32 weight and bias; on a GPU its
+# products come from bf16 terms (compiled_grpo.products), checked against float32 GEMMs on the same inputs
+FP32_HEAD = "fp32-head"
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,16 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
     """Every loss type x level x q x dtype x mode x valid schedule on random batches (captured: q in 1 and 0.2);
     and on GRPO groups (half of them at advantage 0), q in (1, 0.5, 0.2), the schedules that skip work (speed,
     sparse), eager; and `round_logits=True` (bfloat16, token level, q in 1 and 0.2, eager, on-policy), beside the
-    default float32 product's cells."""
-    out = []
+    default float32 product's cells; the fp32 head (FP32_HEAD: every loss type x level, q in 1 and 0.2, eager and
+    compiled)."""
+    out, same = [], tuple(d for d in dtypes if d in DTYPES)  # hidden states and weight in one dtype
     for loss_type, level, q, dtype, mode in itertools.product(
-        loss_types, ("token", "sequence"), QUANTILES, dtypes, modes
+        loss_types, ("token", "sequence"), QUANTILES, same, modes
     ):
         if mode != "captured" or q in FEW_QUANTILES:
             out += [LossCell(loss_type, level, q, dtype, mode, schedule) for schedule in schedules(q)]
     if "eager" in modes:
-        for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, dtypes):
+        for loss_type, level, q, dtype in itertools.product(loss_types, ("token", "sequence"), GROUP_QUANTILES, same):
             skipping = tuple(s for s in schedules(q) if s != "memory")
             out += [LossCell(loss_type, level, q, dtype, "eager", schedule, "groups") for schedule in skipping]
         if "bfloat16" in dtypes:
@@ -87,6 +91,10 @@ def loss_cells(loss_types=LOSS_TYPES, dtypes=tuple(DTYPES), modes=("eager", "com
             level = "sequence" if loss_type == "luspo" else "token"
             q = 1.0 if schedule == "speed" else 0.5
             out.append(LossCell(loss_type, level, q, "float32", "eager", schedule, "packed"))
+    if FP32_HEAD in dtypes:
+        for loss_type, level, q, mode in itertools.product(loss_types, ("token", "sequence"), FEW_QUANTILES, modes):
+            if mode != "captured":
+                out += [LossCell(loss_type, level, q, FP32_HEAD, mode, schedule) for schedule in schedules(q)]
     return out
 
 
@@ -112,9 +120,12 @@ def group_advantages(B: int) -> torch.Tensor:
     return (centered / (rewards.std(-1, keepdim=True) + 1e-4)).reshape(B)
 
 
-def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0, groups: bool = False) -> dict:
+def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0, groups: bool = False,
+               weight_dtype: torch.dtype | None = None) -> dict:  # fmt: skip
     """A micro-batch with padded tails, a fully masked row, off-policy old log-probs and a reference model;
-    with `groups`, GRPO group advantages (half the groups at 0) instead of random ones."""
+    with `groups`, GRPO group advantages (half the groups at 0) instead of random ones; `weight_dtype`: the
+    weight's and bias's, where not the hidden states'."""
+    weight_dtype = weight_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     B, T, H, V = size.B, size.T, size.H, size.V
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
@@ -124,8 +135,8 @@ def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0, group
     mask[-1] = 0
     x = {
         "hidden": rn(B, T, H).to(dtype),
-        "weight": (rn(V, H) * 2 / math.sqrt(H)).to(dtype),
-        "bias": (rn(V) * 0.3).to(dtype),
+        "weight": (rn(V, H) * 2 / math.sqrt(H)).to(weight_dtype),
+        "bias": (rn(V) * 0.3).to(weight_dtype),
         "completion_ids": torch.randint(0, V, (B, T), generator=g),
         "completion_mask": mask,
         "advantages": group_advantages(B) if groups else rn(B),
@@ -164,10 +175,55 @@ def compare_masks(out, ref, mask, q: float, on_threshold_within: float, result: 
     return on_threshold
 
 
-def check_bound(cell: LossCell, base: float, naive_value, ref_value) -> float:
-    """A check's bound: `base`; with round_logits, no further from the float64 truth than plain bf16 autograd
-    (the same rounding of the logits), plus a slack."""
-    return relative_error(naive_value, ref_value) + tolerances.ROUNDED_SLACK if cell.rounded else base
+def output_errors(out, grads, ref, ref_grads) -> dict[str, float]:
+    """Each checked output's relative error against the reference: the loss, the metrics both have, logp,
+    entropy and the head's gradients."""
+    shared = sorted(set(ref.metrics) & set(out.metrics))
+    return {"loss": relative_error(out.loss, ref.loss),
+            **{f"metric {n}": relative_error(out.metrics[n], ref.metrics[n]) for n in shared},
+            "logp": relative_error(out.per_token_logps, ref.per_token_logps),
+            "entropy": relative_error(out.entropy, ref.entropy),
+            **{f"d {k}": relative_error(grads[k], ref_grads[k]) for k in harness.HEAD}}  # fmt: skip
+
+
+def check_limits(cell: LossCell, errors: dict, naive: dict | None) -> dict[str, float]:
+    """Each check's bound: the dtype's tolerance; with bf16 gradients, no further from the float64 truth than plain
+    bf16 autograd (`naive`: its errors) plus a slack; with round_logits, every check so, plus a slack."""
+    tol = tolerances.for_dtype(cell.dtype)
+    limits = {}
+    for what in errors:
+        kind = what.split()[0] if what.split()[0] in ("metric", "d") else what
+        if cell.rounded and kind != "d":
+            limits[what] = naive.get(what, math.inf) + tolerances.ROUNDED_SLACK
+        elif kind == "d" and naive is not None:
+            limits[what] = min(naive[what] + tolerances.BF16_GRADIENT_SLACK, tolerances.BF16_GRADIENT_CEILING)
+        else:
+            limits[what] = tol["gradient" if kind == "d" else kind]
+    return limits
+
+
+def fp32_head_limits(cell: LossCell, settings: dict, x: dict, ref, ref_grads, result: CellResult) -> dict:
+    """The fp32 head's bounds: each check at most FP32_HEAD_FACTOR times the error of float32 GEMMs (TF32 off) on
+    the same inputs (the hidden states widened, their gradient rounded back to bf16 as the cast returns it), plus
+    FP32_HEAD_FLOOR; the errors of float32 GEMMs, of TF32 (on a GPU) and of the weight rounded to bf16 in the notes."""
+    loss_fn = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, **settings)
+    beside = {"float32 GEMMs": {**x, "hidden": x["hidden"].float()}, "bf16 weight": {
+        **x, "weight": x["weight"].bfloat16(), "bias": x["bias"].bfloat16()}}  # fmt: skip
+    if x["hidden"].is_cuda:
+        beside["TF32"] = beside["float32 GEMMs"]
+    errors = {}
+    for name, inputs in beside.items():
+        torch.backends.cuda.matmul.allow_tf32 = name == "TF32"
+        try:
+            out, grads = harness.run_fused(loss_fn, inputs)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        grads["hidden"] = grads["hidden"].to(x["hidden"].dtype)
+        errors[name] = output_errors(out, grads, ref, ref_grads)
+        picked = {k: errors[name][k] for k in ("loss", "logp", "entropy", "d hidden", "d weight")}
+        result.notes.append(f"{name}: " + ", ".join(f"{k} {v:.1e}" for k, v in picked.items()))
+    return {what: tolerances.FP32_HEAD_FACTOR * e + tolerances.FP32_HEAD_FLOOR
+            for what, e in errors["float32 GEMMs"].items()}  # fmt: skip
 
 
 def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
@@ -194,26 +250,15 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
         ref, ref_grads = run_reference(x, settings, entropy_mask_override=out.entropy_mask)
         if cell.rounded:
             naive, naive_grads = harness.run_naive_bf16(x, {**settings, "entropy_mask_override": out.entropy_mask})
-    tol = tolerances.for_dtype(cell.dtype)
-    bound = lambda base, naive_value, ref_value: check_bound(cell, base, naive_value, ref_value)
-    result.check("loss", relative_error(out.loss, ref.loss), bound(tol["loss"], naive and naive.loss, ref.loss))
     missing = set(ref.metrics) ^ set(out.metrics)
     result.check("metric names", float(len(missing)), 0.0)
-    for name in sorted(set(ref.metrics) & set(out.metrics)):
-        limit = bound(tol["metric"], naive and naive.metrics.get(name), ref.metrics[name])
-        result.check(f"metric {name}", relative_error(out.metrics[name], ref.metrics[name]), limit)
-    logp_limit = bound(tol["logp"], naive and naive.per_token_logps, ref.per_token_logps)
-    result.check("logp", relative_error(out.per_token_logps, ref.per_token_logps), logp_limit)
-    entropy_limit = bound(tol["entropy"], naive and naive.entropy, ref.entropy)
-    result.check("entropy", relative_error(out.entropy, ref.entropy), entropy_limit)
-    for k in harness.HEAD:
-        err = relative_error(grads[k], ref_grads[k])
-        if naive_grads is None:
-            bound = tol["gradient"]
-        else:
-            naive = relative_error(naive_grads[k], ref_grads[k])
-            bound = min(naive + tolerances.BF16_GRADIENT_SLACK, tolerances.BF16_GRADIENT_CEILING)
-        result.check(f"d {k}", err, bound)
+    errors = output_errors(out, grads, ref, ref_grads)
+    if cell.dtype == FP32_HEAD:  # against float32 GEMMs' errors on the same inputs
+        limits = fp32_head_limits(cell, settings, x, ref, ref_grads, result)
+    else:
+        limits = check_limits(cell, errors, naive and output_errors(naive, naive_grads, ref, ref_grads))
+    for what, error in errors.items():
+        result.check(what, error, limits[what])
     result.params["errors"] = {c.what: c.error for c in result.checks}
     if cell.rounded:  # beside the default float32 product on the same batch
         default = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, **settings)
@@ -228,7 +273,7 @@ def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:
 
 def run(cells: list[LossCell], size: Size, device: str, seeds=(0,), advance=lambda: None) -> list[CellResult]:
     kinds = {(c.dtype, c.batch) for c in cells}
-    batches = {(d, b, s): make_batch(size, DTYPES[d], device, s, b == "groups") for d, b in kinds for s in seeds}
+    batches = {(d, b, s): batch_of(d, size, device, s, b == "groups") for d, b in kinds for s in seeds}
     results = []
     for seed in seeds:
         for cell in cells:
@@ -238,3 +283,9 @@ def run(cells: list[LossCell], size: Size, device: str, seeds=(0,), advance=lamb
             results.append(r)
             advance()
     return results
+
+
+def batch_of(dtype: str, size: Size, device: str, seed: int, groups: bool) -> dict:
+    if dtype == FP32_HEAD:
+        return make_batch(size, torch.bfloat16, device, seed, groups, weight_dtype=torch.float32)
+    return make_batch(size, DTYPES[dtype], device, seed, groups)

@@ -42,6 +42,7 @@ class Shape:
     zero_advantage: bool = False  # half the sequences at advantage 0 (every other group of GROUP completions)
     H: int = 4096
     V: int = 151936
+    fp32_head: bool = False  # a float32 lm_head weight against the bf16 hidden states (`cast_lm_head_to_fp32`)
 
 
 GROUP = 4
@@ -60,6 +61,11 @@ SHAPES = {
     "H896-q0.2": Shape("H896-q0.2", 8, 1024, q=0.2, H=896),
     "H1536-q0.2": Shape("H1536-q0.2", 8, 1024, q=0.2, H=1536),
     "H8192": Shape("H8192", 4, 8192, H=8192, V=128256),  # a 70B-class head (Llama 3 70B), 32k tokens
+    "H3584": Shape("H3584", 8, 1024, H=3584),  # Qwen2.5-7B's head
+    # the fp32 head (ScaleRL's, TRL's `cast_lm_head_to_fp32`): the same batches, the weight in float32
+    "H896-fp32": Shape("H896-fp32", 8, 1024, H=896, fp32_head=True),
+    "H3584-fp32": Shape("H3584-fp32", 8, 1024, H=3584, fp32_head=True),
+    "H4096-fp32": Shape("H4096-fp32", 8, 1024, fp32_head=True),
 }
 
 
@@ -83,6 +89,8 @@ def make_inputs(shape: Shape, seed=0):
     if shape.beta:
         x["ref_hidden"] = x["hidden"] + 0.01 * torch.randn(x["hidden"].shape, device=dev, dtype=dt, generator=g)
         x["ref_weight"] = x["weight"].detach() + 1e-3 * torch.randn(V, H, device=dev, dtype=dt, generator=g)
+    if shape.fp32_head:
+        x["weight"] = x["weight"].detach().float().requires_grad_()
     return x
 
 
@@ -92,8 +100,8 @@ def loss_settings(shape: Shape) -> dict:
 
 # ---------------------------------------------------------------- methods: each returns a closure or a reason
 def floor(shape, x):
-    active = x["hidden"].reshape(-1, shape.H)[x["mask"].reshape(-1).bool()]
     w = x["weight"].detach()
+    active = x["hidden"].reshape(-1, shape.H)[x["mask"].reshape(-1).bool()].to(w.dtype)
 
     def run():
         z = active @ w.T
@@ -201,7 +209,7 @@ def trl_fused_head(shape, x):
 
     def head(hidden, weight):
         logp, entropy, *_ = ChunkedLogProbFunction.apply(
-            hidden[mask], weight, None, x["ids"][mask], 1.0, chunk, None, 1.0, ("entropy",)
+            hidden[mask].to(weight.dtype), weight, None, x["ids"][mask], 1.0, chunk, None, 1.0, ("entropy",)
         )
         scatter = lambda t: t.new_zeros(mask.shape).masked_scatter(mask, t)
         return scatter(logp), scatter(entropy)
@@ -312,6 +320,40 @@ METHODS = {
 }
 
 
+def with_tf32(make):
+    """A method with TF32 GEMMs allowed while it runs (float32 GEMMs on 10-bit inputs)."""
+
+    def made(shape, x):
+        run = make(shape, x)
+        if isinstance(run, str):
+            return run
+
+        def tf32_run():
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                run()
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+
+        return tf32_run
+
+    return made
+
+
+# The fp32 head's shapes: float32 GEMMs (TF32 off, torch's default), TF32, and this library's products from bf16 terms
+FP32_METHODS = {
+    "floor: three lm_head GEMMs in float32": floor,
+    "floor: three lm_head GEMMs, TF32": with_tf32(floor),
+    "TRL 1.16 fused head + loss, float32 GEMMs": trl_fused_head,
+    "TRL 1.16 fused head + loss, TF32": with_tf32(trl_fused_head),
+    "compiled_grpo speed, compiled": ours("speed", True),
+    "compiled_grpo memory, compiled": ours("memory", True),
+    "compiled_grpo auto, compiled": ours("auto", True),
+    "compiled_grpo auto, compiled, captured": ours("auto", True, capture=True),
+    "compiled_grpo primitive + loss, compiled": primitive(),
+}
+
+
 def measure(run, x, repeats: int, warmup: int = 3):
     """(median ms, peak GiB above the memory in use before the call)."""
     for _ in range(warmup):
@@ -352,7 +394,7 @@ def run_shape(shape: Shape, repeats: int) -> list[dict]:
     x = make_inputs(shape)
     active = int(x["mask"].sum())
     rows = []
-    for name, make in METHODS.items():
+    for name, make in (FP32_METHODS if shape.fp32_head else METHODS).items():
         torch._dynamo.reset()  # Liger 0.8.5's compiled graphs fail on a new shape in the same process otherwise
         row = {"shape": shape.name, "method": name, "tokens": active}
         try:
@@ -395,7 +437,9 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         "Shapes: S1 B=8 T=1024 (all active); S2 B=16 T=1024, lengths uniform in [1, 1024]; S3 B=4 T=8192; "
         "S1-q0.2 S1 with top_entropy_quantile=0.2; S1-ref S1 with beta=0.04 and ref_hidden/ref_weight; -half0: "
         "every other group of 4 sequences at advantage 0; H896 and H1536: S1 with hidden size 896 (Qwen2.5-0.5B's "
-        "head) and 1536 (1.5B's); H8192: B=4 T=8192 with H=8192 and V=128256 (a 70B-class head).",
+        "head), 1536 (1.5B's) and 3584 (7B's); H8192: B=4 T=8192 with H=8192 and V=128256 (a 70B-class head); "
+        "-fp32: the lm_head weight in float32 against the bf16 hidden states (TRL's `cast_lm_head_to_fp32`), "
+        "its floor three float32 GEMMs (TF32 off) and `/ TRL` against TRL's head in float32.",
         "",
     ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
@@ -438,9 +482,10 @@ def main(argv=None):
         ap.error(f"unknown shape(s) {unknown}; valid: {', '.join(SHAPES)}")
     if args.methods:
         keep = [k for k in args.methods.split(";") if k]
-        for name in list(METHODS):
-            if not name.startswith("floor") and not any(k in name for k in keep):
-                del METHODS[name]
+        for methods in (METHODS, FP32_METHODS):
+            for name in list(methods):
+                if not name.startswith("floor") and not any(k in name for k in keep):
+                    del methods[name]
     for variant in filter(None, args.variants.split(";")):
         schedule, _, knobs = variant.partition(":")
         tiles = {k: int(v) for k, v in (kv.split("=") for kv in filter(None, knobs.split(",")))}

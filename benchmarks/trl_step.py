@@ -131,6 +131,10 @@ TRAINERS = {  # name: (trainer, its options)
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
     "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
     "rounded-captured": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True, "capture": True}}),
+    # the fp32 head (`cast_lm_head_to_fp32=True`: TRL makes lm_head a float32 module, in place on the model, so
+    # these run in a process of their own)
+    "grpo-fp32": (GRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
+    "auto-fp32": (CompiledGRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 LABELS = {
@@ -156,6 +160,8 @@ LABELS = {
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
     "rounded-captured": "CompiledGRPOTrainer auto, round_logits=True, captured calls",
+    "grpo-fp32": "GRPOTrainer, cast_lm_head_to_fp32=True",
+    "auto-fp32": "CompiledGRPOTrainer auto, cast_lm_head_to_fp32=True",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
@@ -169,13 +175,15 @@ def tokenizer():
 
 def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int, accumulation: int = 1):
     cls, options = TRAINERS[name]
+    options = dict(options or {})
+    config = options.pop("config", {})
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
-        top_entropy_quantile=q, gradient_accumulation_steps=accumulation,
+        top_entropy_quantile=q, gradient_accumulation_steps=accumulation, **config,
     )  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a"] * size * accumulation})
-    extra = {} if options is None else {"compiled": True, **options}
+    extra = {"compiled": True, **options} if issubclass(cls, CompiledGRPOTrainer) else {}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
             train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
     t.current_gradient_accumulation_steps = accumulation  # set by train(); this step runs outside it

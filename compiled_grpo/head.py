@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import distributed
+from . import distributed, products
 
 SCALE, INV_TEMP, CAP = 0, 1, 2  # positions in `Head.values`
 
@@ -29,6 +29,9 @@ class Head(NamedTuple):
     # the GEMM's product rounded to the inputs' dtype before the softmax (`round_logits`: TRL's head and plain torch
     # do so), read at 2 bytes per logit instead of 4; False: float32, the default
     rounded: bool = False
+    # the float32 weight's bf16 terms side by side, [V, terms x H] (`products.weight_terms`), read by the GEMMs in
+    # its place; None: the weight's own GEMMs
+    terms: torch.Tensor | None = None
 
     def rows(self, start: int, size: int) -> Head:
         """The head as slots start..start + size see it (their per-row temperatures)."""
@@ -38,18 +41,26 @@ class Head(NamedTuple):
 
     def vocab_slice(self, start: int, size: int) -> Head:
         bias = None if self.bias is None else self.bias[start : start + size]
-        return self._replace(weight=self.weight[start : start + size], bias=bias)
+        terms = None if self.terms is None else self.terms[start : start + size]
+        return self._replace(weight=self.weight[start : start + size], bias=bias, terms=terms)
+
+    def with_fresh_terms(self) -> Head:
+        """The head with its weight's terms made anew from the weight (a captured pass makes them inside its graph,
+        so that a replay reads the weight as it is then)."""
+        return self if self.terms is None else self._replace(terms=products.weight_terms(self.weight))
 
     def detached(self) -> Head:
         bias = None if self.bias is None else self.bias.detach()
         return self._replace(weight=self.weight.detach(), bias=bias)
 
 
-def make_head(weight, bias, cfg, dtype, rounded: bool = False) -> Head:
-    """The head of a loss config (logit_scale, temperature, final_logit_softcapping)."""
+def make_head(weight, bias, cfg, dtype, rounded: bool = False, split: bool = False) -> Head:
+    """The head of a loss config (logit_scale, temperature, final_logit_softcapping); `split`: its products from
+    the float32 weight's bf16 terms (`products.splits`)."""
     cap = cfg.final_logit_softcapping
     values = device_constant((cfg.logit_scale, 1.0 / cfg.temperature, cap or 1.0), dtype, weight.device)
-    return Head(weight, bias, values, cap is not None, rounded=rounded)
+    terms = products.weight_terms(weight) if split else None
+    return Head(weight, bias, values, cap is not None, rounded=rounded, terms=terms)
 
 
 @functools.cache

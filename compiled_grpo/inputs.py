@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import products
+
 HEAD_TENSORS = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
 PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
 CONSTANT_INPUTS = ("advantages", *PER_TOKEN, "importance_sampling_ratio")
@@ -30,6 +32,9 @@ class LossInputs:
     # Packed calls (`packing.Packing`): hidden and ref_hidden are [rows, H] and this is the hidden row of each of
     # the B * T positions; None: hidden is [B, T, H].
     hidden_rows: torch.Tensor | None = None
+    # the policy's and the reference's head products from the float32 weight's bf16 terms (`widened`)
+    split_head: bool = False
+    split_ref_head: bool = False
 
     @property
     def packed(self) -> bool:
@@ -84,3 +89,14 @@ class LossInputs:
             return self
         dtype = torch.get_autocast_dtype(device_type)
         return self.cast_head(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+
+    def widened(self) -> LossInputs:
+        """16-bit hidden states against a float32 lm_head weight (an fp32 head, as `cast_lm_head_to_fp32` makes it)
+        widened to float32, exactly: the head is then a float32 one throughout, and their gradient comes back in
+        their dtype through the cast. Where `products.splits`, its GEMMs come from the weight's bf16 terms."""
+        ref_weight = self.weight if self.ref_weight is None else self.ref_weight
+        ref_hidden = self.hidden if self.ref_hidden is None else self.ref_hidden
+        split, split_ref = products.splits(self.hidden, self.weight), products.splits(ref_hidden, ref_weight)
+        return dataclasses.replace(self, hidden=products.widened(self.hidden, self.weight),
+                                   ref_hidden=products.widened(self.ref_hidden, ref_weight), split_head=split,
+                                   split_ref_head=split_ref)  # fmt: skip

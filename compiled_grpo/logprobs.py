@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import checks, distributed, faults
+from . import checks, distributed, faults, products
 from .capture import Captures
 from .faults import Deferred, Faults
 from .head import Head, VocabShard, device_constant
@@ -217,6 +217,8 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     """Checks, autocast casts, the tile plan over the positions with a target, and the head."""
     check_inputs(hidden, weight, targets, bias, o.temperature)
     hidden, weight, bias = under_autocast(hidden, weight, bias)
+    split = products.splits(hidden, weight)
+    hidden = products.widened(hidden, weight)
     flat_targets = targets.reshape(-1)
     valid = flat_targets != o.ignore_index
     group = distributed.LOCAL if o.vocab_parallel_group is None else o.vocab_parallel_group
@@ -229,16 +231,16 @@ def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     PRIMITIVE_DEFERRED.raise_pending()
     value_faults.raise_first()
     head_values = (o.logit_scale, o.temperature, o.final_logit_softcapping)
-    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape, o.round_logits)
+    head = make_head(weight, bias, head_values, stat_dtype(hidden), targets.shape, o.round_logits, split=split)
     if head.row_inv_temp is not None:
         head = head._replace(row_inv_temp=to_slots(head.row_inv_temp, plan, fill=None))
     stream = Targets(hidden.reshape(-1, hidden.shape[-1]), flat_targets.masked_fill(~valid, 0))
     return Call(engine, plan, head, stream, valid)
 
 
-def make_head(weight, bias, values, dtype, shape, rounded: bool = False):
+def make_head(weight, bias, values, dtype, shape, rounded: bool = False, *, split: bool = False):
     """The lm_head as the tiles see it: (logit_scale, temperature, softcap) in one small tensor, and a per-token
-    temperature as one 1 / temperature per flat position."""
+    temperature as one 1 / temperature per flat position; `split`: products from the weight's bf16 terms."""
     scale, temperature, cap = values
     per_token = isinstance(temperature, torch.Tensor)
     inv_temp = 1.0 if per_token else 1.0 / temperature
@@ -246,7 +248,8 @@ def make_head(weight, bias, values, dtype, shape, rounded: bool = False):
     row_inv_temp = None
     if per_token:
         row_inv_temp = (1.0 / temperature.detach().to(weight.device, dtype)).broadcast_to(shape).reshape(-1)
-    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded)
+    terms = products.weight_terms(weight) if split else None
+    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded, terms)
 
 
 def under_autocast(hidden, weight, bias):

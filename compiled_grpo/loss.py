@@ -159,7 +159,7 @@ class FusedLinearGRPOLoss:
         tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         objective = _objective(self, engine, inputs, step)
-        head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype, self.round_logits)
+        head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype, self.round_logits, inputs.split_head)
         schedule, plan = choice.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
         # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host
         self.deferred.raise_pending()
@@ -196,13 +196,14 @@ def _laid_out(given: LossInputs, packed_layout, sequence_group, validate: bool):
 
 def _checked(inputs: LossInputs, step: Step, captures, beta, vocab_group, validate) -> tuple[LossInputs, Faults]:
     """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started
-    (with `captures`, computed by a CUDA graph replay); DTensor weights gathered; [B, 1] advantages as [B]."""
+    (with `captures`, computed by a CUDA graph replay); DTensor weights gathered; [B, 1] advantages as [B]; 16-bit
+    hidden states against a float32 weight widened (`LossInputs.widened`)."""
     validation.check_shapes(inputs)
     inputs = inputs.with_row_advantages()
     no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
     if beta != 0.0 and no_reference:
         raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
-    inputs = inputs.cast_head(distributed.full_tensor)
+    inputs = inputs.cast_head(distributed.full_tensor).widened()
     if not validate:
         return inputs, Faults()
     vocab = inputs.weight.shape[0]

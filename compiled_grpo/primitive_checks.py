@@ -19,8 +19,8 @@ def check_inputs(hidden, weight, targets, bias, temperature) -> None:
     H = hidden.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != H:
         raise ValueError(f"weight: expected [V, {H}] (H of hidden), got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if (why := checks.weight_dtype_fault(hidden, weight)) is not None:
+        raise TypeError(f"weight: {why}")
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets: expected {tuple(hidden.shape[:-1])} (hidden's leading shape), got "
                          f"{tuple(targets.shape)}")  # fmt: skip

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .head import CAP, INV_TEMP, SCALE, Head
+from .products import gemm_product
 
 
 class RowGradients(NamedTuple):
@@ -45,28 +46,6 @@ def compared_ids(targets: torch.Tensor) -> torch.Tensor:
     return targets.to(torch.int32)
 
 
-def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
-    """acc += a @ b in place (acc = a @ b when `first`: acc need not be initialized, and is not read), the
-    product accumulated in acc's (float32 or float64) precision: a tile's product is never rounded to 16 bits
-    before the sum over tiles (that rounding biases training)."""
-    beta = 0 if first else 1
-    if a.dtype == acc.dtype:
-        torch.addmm(acc, a, b, beta=beta, out=acc)
-    elif a.is_cuda:
-        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    else:  # CPU has no 16-bit GEMM with a float32 output
-        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
-
-
-def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with float32 output, the product accumulated in float32 (16-bit inputs stay 16-bit on the GPU)."""
-    if a.dtype in (torch.float32, torch.float64):
-        return torch.mm(a, b).to(torch.promote_types(a.dtype, torch.float32))
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())  # CPU has no 16-bit GEMM with float32 output
-
-
 def stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -74,22 +53,6 @@ def stat_dtype(x: torch.Tensor) -> torch.dtype:
 def tile_logits(x, head: Head) -> torch.Tensor:
     """z = softcap(scale * (x @ w.T + b)) * inv_temp for x [n,H], w [v,H]: [n,v] in float32 (float64 input: 64)."""
     return logits_from_product(gemm_product(x, head), head)
-
-
-def gemm_product(x, head: Head) -> torch.Tensor:
-    """x @ w.T, accumulated in float32: output in float32 (float64 for float64 inputs), or with `head.rounded`
-    rounded to x's dtype, as TRL's head and plain torch keep their logits (half the bytes for its readers)."""
-    if not head.rounded or x.dtype in (torch.float32, torch.float64):
-        return matmul_fp32(x, head.weight.T)
-    # the GEMM's own 16-bit output (a buffer, so torch.compile keeps the rounding: a cast to 16 bits and back
-    # inside a fused kernel would be elided)
-    return torch.mm(x, head.weight.T)
-
-
-def product_bytes(head: Head) -> int:
-    """Bytes per entry of `gemm_product`'s output: 2 where the head rounds a 16-bit GEMM's product, else 4 (the
-    fused kernels that read it form the float32 logits in registers)."""
-    return 2 if head.rounded and head.weight.dtype in (torch.bfloat16, torch.float16) else 4
 
 
 def logits_from_product(product, head: Head) -> torch.Tensor:

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .checks import FLOATS, checked, first_where
+from .checks import FLOATS, checked, first_where, weight_dtype_fault
 from .faults import Faults
 from .inputs import PER_TOKEN
 
@@ -46,8 +46,8 @@ def check_shapes(inputs) -> None:
         _fail("hidden", f"expected a floating dtype, got {hidden.dtype}", TypeError)
     if weight.dim() != 2 or weight.shape[1] != H:
         _fail("weight", f"expected [V, {H}] (H of hidden), got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        _fail("weight", f"dtype {weight.dtype} differs from hidden's {hidden.dtype}", TypeError)
+    if (why := weight_dtype_fault(hidden, weight)) is not None:
+        _fail("weight", why, TypeError)
     if bias is not None:
         _is_tensor(bias, "bias")
         if bias.shape != (weight.shape[0],):

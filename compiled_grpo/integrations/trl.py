@@ -243,10 +243,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
         """The fused loss of this micro-batch; in eval mode without gradient accumulation (as TRL)."""
         weight, bias, completion_ids = lm_head.weight, lm_head.bias, inputs["completion_ids"]
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        autocast_off = None
-        if self.args.cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            autocast_off = torch.autocast(hidden.device.type, enabled=False)
+        # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
+        # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
+        autocast_off = torch.autocast(hidden.device.type, enabled=False) if self.args.cast_lm_head_to_fp32 else None
         args = self.args
         ratio = inputs.get("importance_sampling_ratio")
         use_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or args.loss_type == "vespo"
@@ -265,4 +264,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         if autocast_off is None:
             return self.fused_loss(hidden, weight, completion_ids, mask, inputs["advantages"], **call)
         with autocast_off:
-            return self.fused_loss(hidden, weight.float(), completion_ids, mask, inputs["advantages"], **call)
+            bias = None if bias is None else bias.float()
+            return self.fused_loss(
+                hidden, weight.float(), completion_ids, mask, inputs["advantages"], **{**call, "bias": bias}
+            )

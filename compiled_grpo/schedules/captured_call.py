@@ -62,7 +62,7 @@ class CallTensors:
             rebuilt = dataclasses.replace(tile_plan(plan, f), source=next(it), valid=next(it), active=None,
                                           slot_of_active=None)  # fmt: skip
             plan = rebuilt if f is None else dataclasses.replace(plan, **{f: rebuilt})
-        head = head._replace(values=next(it))
+        head = head._replace(values=next(it)).with_fresh_terms()
         step = dataclasses.replace(objective.step, **{n: next(it) for n in self.step_names})
         return Objective(objective.cfg, inputs, step, objective.group), head, plan
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import distributed, streaming, tiling
+from .. import distributed, products, streaming, tiling
 from ..capture import Captures
 from ..head import Head, VocabShard, make_head
 from ..kernels import Kernels
@@ -23,7 +23,7 @@ def head_key(head) -> tuple:
     the softcap."""
     weight, bias = head.weight, head.bias
     return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap, head.rounded,
-            None if bias is None else (bias.data_ptr(), bias.dtype))  # fmt: skip
+            None if bias is None else (bias.data_ptr(), bias.dtype), head.terms is not None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles, extr
     """`statistics_pass`, captured where the engine captures calls."""
 
     def work(x, targets, values, row_inv_temp):
-        h = head._replace(values=values, row_inv_temp=row_inv_temp)
+        h = head._replace(values=values, row_inv_temp=row_inv_temp).with_fresh_terms()
         return statistics_pass(engine, x, targets, h, tiles, extras)
 
     key = ("statistics", tuple(tiles), head_key(head), extras)
@@ -127,7 +127,7 @@ def captured_vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: 
     """`vocab_outer_gradients`, captured where the engine captures calls."""
 
     def work(x, values, row_inv_temp, *row_tensors):
-        h = head._replace(values=values, row_inv_temp=row_inv_temp)
+        h = head._replace(values=values, row_inv_temp=row_inv_temp).with_fresh_terms()
         return vocab_outer_gradients(engine, x, RowGradients(*row_tensors), h, tiles, wanted)
 
     key = ("vocabulary-outer gradients", tuple(tiles), head_key(head), wanted)
@@ -186,11 +186,11 @@ def vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: Head, til
         for i, (s, n) in enumerate(tiles):
             rows_t = RowGradients(*(None if t is None else t[s : s + n] for t in rows))
             d_raw, db_t = engine.kernels.gradient_vocab(x[s : s + n], rows_t, head_v.rows(s, n), offsets[j])
-            streaming.add_matmul(dx[s : s + n], d_raw, head_v.weight, first=j == 0)
+            products.add_hidden_gradient(dx[s : s + n], d_raw, head_v, first=j == 0)
             if direct and wanted.weight:
-                torch.mm(d_raw.T, x[s : s + n], out=dw_v)
+                products.weight_gradient_into(dw_v, d_raw.T, x[s : s + n], head_v)
             elif wanted.weight:
-                streaming.add_matmul(dw_v, d_raw.T, x[s : s + n], first=i == 0)
+                products.add_weight_gradient(dw_v, d_raw.T, x[s : s + n], head_v, first=i == 0)
             if wanted.bias:
                 db_v += db_t
         if wanted.weight and not direct:
@@ -238,7 +238,7 @@ class TokenOuterGradients:
         n = product.shape[0]
         d_raw = self._rows_for(s, n)
         db_t = kernels.gradient_from_product(product, rows, self.head.rows(s, n), d_raw, self.wanted.bias)
-        torch.mm(d_raw, self.head.weight, out=self.dx[s : s + n])
+        products.hidden_gradient_into(self.dx[s : s + n], d_raw, self.head)
         if self.wanted.bias:
             self.db += db_t
 
@@ -260,7 +260,7 @@ class TokenOuterGradients:
     def _add_group(self):
         if self.sum is not None and self.used:
             group, x = self.rows[: self.used], self.x[self.start : self.start + self.used]
-            streaming.add_matmul(self.sum, group.T, x, first=not self.added)
+            products.add_weight_gradient(self.sum, group.T, x, self.head, first=not self.added)
             self.added = True
         self.used = 0
 
@@ -285,7 +285,7 @@ def with_reference_logps(engine: Engine, inputs, cfg, rounded: bool = False):
     plan = tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)
     with torch.no_grad():
         slots = gather_slots(hidden.detach(), inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
-        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), rounded)
+        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), rounded, inputs.split_ref_head)
         logp, _, _ = statistics_pass(engine, slots.x, slots.targets, head.detached(), plan.tiles)
         ref = tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
     return dataclasses.replace(inputs, ref_per_token_logps=ref)

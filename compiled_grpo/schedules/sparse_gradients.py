@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from .. import distributed, streaming, tiling
+from .. import distributed, products, tiling
 from ..head import Head
 from ..streaming import RowGradients
 from ..tiling import TilePlan
@@ -37,7 +37,7 @@ def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
     """The statistics pass's [stats_rows, V] product, or the token-outer gradient pass's: a [sparse_tile, V]
     product and at most 2 stats_rows rows of 16-bit gradients (the vocabulary-outer pass takes over beyond); each
     product float32, or 16-bit where the head rounds it. float32/64 inputs: the float32 [V, H] dW sum instead."""
-    t, vocab, product = engine.tiles, head.weight.shape[0], streaming.product_bytes(head)
+    t, vocab, product = engine.tiles, head.weight.shape[0], products.product_bytes(head)
     kept = 4 * head.weight.numel() if head.weight.dtype in WIDE else 2 * min(plan.slots, 2 * t.stats_rows) * vocab
     return max(product * t.stats_rows * vocab, product * t.sparse_tile * vocab + kept)
 
@@ -102,7 +102,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
 
     def work(x, values, row_inv_temp, source, valid, *row_tensors):
         plan = dataclasses.replace(rows_plan, source=source, valid=valid, active=None, slot_of_active=None)
-        h = head._replace(values=values, row_inv_temp=row_inv_temp)
+        h = head._replace(values=values, row_inv_temp=row_inv_temp).with_fresh_terms()
         return rows_gradients(engine, x, h, plan, wanted, RowGradients(*row_tensors), token_tiles=token_tiles)
 
     key = ("gradients of rows", rows_plan.tiles, rows_plan.identity, token_tiles, head_key(head), wanted)
@@ -127,7 +127,7 @@ def rows_gradients(engine: Engine, x, head: Head, rows_plan: TilePlan, wanted: W
     buffered = x.dtype not in WIDE
     grads = TokenOuterGradients(x_r, head, rows_plan.tiles, t.sparse_tile, buffered, wanted)
     for s, n in rows_plan.tiles:
-        product = streaming.gemm_product(x_r[s : s + n], head)
+        product = products.gemm_product(x_r[s : s + n], head)
         grads.add(engine.kernels, s, product, RowGradients(*(None if v is None else v[s : s + n] for v in rows)))
         del product  # freed before the next tile's is made
     dx, dw, db = grads.result(passes.weight_gradient_out(engine, head, wanted))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import distributed, streaming, tiling
+from .. import distributed, products, streaming, tiling
 from ..batch_objective import Objective
 from ..head import Head
 from ..streaming import RowGradients
@@ -78,32 +78,33 @@ def tile_and_group(engine: Engine, head: Head, accumulates: bool, lean: bool) ->
     t = engine.tiles
     halved = lean or (accumulates and head.weight.shape[1] > SMALL_HIDDEN)
     tile = t.accumulating_speed_tile if halved else t.speed_tile
-    return tile, tile if lean else t.speed_group
+    # split products make one dW GEMM per products.WEIGHT_GRADIENT_TOKENS anyway: a larger group only holds memory
+    return tile, tile if lean or head.terms is not None else t.speed_group
 
 
 def workspace_bound(engine: Engine, head: Head, lean: bool = False) -> int:
     """The workspace of the largest plan `plan` can make, known before its wait on the GPU: full tiles, and dW
     summed in float32 (keeping every token's 16-bit gradient instead is chosen only where it is no larger)."""
-    vocab = head.weight.shape[0]
+    vocab, kept = head.weight.shape[0], head.weight.element_size()  # a float32 head keeps float32 gradients
     if not head.weight.requires_grad:
         tile, _ = tile_and_group(engine, head, False, lean)
-        return 6 * tile * vocab
+        return (4 + kept) * tile * vocab
     tile, group = tile_and_group(engine, head, True, lean)
-    return 4 * tile * vocab + 2 * max(tile, group) * vocab + 4 * head.weight.numel()
+    return 4 * tile * vocab + kept * max(tile, group) * vocab + 4 * head.weight.numel()
 
 
 def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
-    """A tile's GEMM output (float32, or 16-bit where the head rounds it), plus the 16-bit logits gradients kept
-    for dW: every token's (buffered), a group's and the float32 dW sum (accumulated), or one tile's (no weight
-    gradient)."""
-    vocab = head.weight.shape[0]
+    """A tile's GEMM output (float32, or 16-bit where the head rounds it), plus the logits gradients kept for dW
+    (in the weight's dtype): every token's (buffered), a group's and the float32 dW sum (accumulated), or one tile's
+    (no weight gradient)."""
+    vocab, size = head.weight.shape[0], head.weight.element_size()
     if not head.weight.requires_grad:
-        kept = 2 * plan.tile * vocab
+        kept = size * plan.tile * vocab
     elif plan.buffered:
-        kept = 2 * plan.gradient.slots * vocab
+        kept = size * plan.gradient.slots * vocab
     else:
-        kept = 2 * max(plan.tile, plan.group) * vocab + 4 * head.weight.numel()
-    return streaming.product_bytes(head) * plan.tile * vocab + kept
+        kept = size * max(plan.tile, plan.group) * vocab + 4 * head.weight.numel()
+    return products.product_bytes(head) * plan.tile * vocab + kept
 
 
 class FlatStatistics:

@@ -1,0 +1,118 @@
+"""The fp32 head (`cast_lm_head_to_fp32`): a float32 lm_head weight against bf16 hidden states. The hidden states are
+widened (exactly) and the head is a float32 one; on a GPU its products come from bf16 terms (`products`), run here
+on the CPU with `products.SPLIT_ON_CPU` (each term's GEMM then in float32, so only the split's own error shows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import TILES, make_inputs, max_error, run_fused, run_reference
+
+from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, products
+
+SETTINGS = {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01}
+
+
+def fp32_head_inputs(seed: int) -> dict:
+    """bf16 hidden states, a float32 weight and bias (not bf16 values), a reference model's log-probs."""
+    x = make_inputs(seed=seed, dtype=torch.float32, bias=True, ref=True, logit_std=3.0, V=517)
+    x["hidden"] = x["hidden"].bfloat16()
+    return x
+
+
+def schedule_settings(schedule: str) -> dict:
+    return {**SETTINGS, "top_entropy_quantile": 0.5 if schedule == "sparse" else 1.0}
+
+
+@pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
+def test_bf16_hidden_states_run_as_float32_ones(schedule):
+    """Without the split (a CPU), the call is the one with the hidden states given in float32: the same numbers,
+    and the hidden states' gradient in their own dtype."""
+    x = fp32_head_inputs(seed=1)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **schedule_settings(schedule))
+    out, grads = run_fused(loss_fn, x)
+    wide, wide_grads = run_fused(loss_fn, {**x, "hidden": x["hidden"].float()})
+    assert torch.equal(out.loss, wide.loss) and torch.equal(out.per_token_logps, wide.per_token_logps)
+    assert grads["hidden"].dtype == torch.bfloat16 and grads["weight"].dtype == torch.float32
+    assert torch.equal(grads["hidden"], wide_grads["hidden"].bfloat16())
+    assert torch.equal(grads["weight"], wide_grads["weight"]) and torch.equal(grads["bias"], wide_grads["bias"])
+
+
+def errors(out, grads, ref, ref_grads) -> dict[str, float]:
+    scaled = lambda a, b: max_error(a, b) / max(float(b.abs().max()), 1e-12)
+    found = {"loss": scaled(out.loss, ref.loss), "logp": scaled(out.per_token_logps, ref.per_token_logps),
+             "entropy": scaled(out.entropy, ref.entropy)}  # fmt: skip
+    return found | {f"d {k}": scaled(grads[k], ref_grads[k]) for k in ("hidden", "weight", "bias")}
+
+
+@pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
+def test_split_products_are_as_accurate_as_float32_gemms(schedule, monkeypatch):
+    """The products from SPLIT_TERMS bf16 terms against float64: within 2x the error of float32 GEMMs on the same
+    inputs (plus a float32 rounding), the hidden states' gradient rounded to bf16 as the cast returns it; and they
+    are the split's numbers, not float32 GEMMs' (the weight rounded to bf16 alone would be far off)."""
+    x = fp32_head_inputs(seed=2)
+    s = schedule_settings(schedule)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **s)
+    wide, wide_grads = run_fused(loss_fn, {**x, "hidden": x["hidden"].float()})
+    wide_grads["hidden"] = wide_grads["hidden"].bfloat16()
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    split, split_grads = run_fused(loss_fn, x)
+    ref, ref_grads = run_reference({k: v.double() if v.is_floating_point() else v for k, v in x.items()}, s)
+    if split.entropy_mask is not None and not torch.equal(split.entropy_mask, ref.entropy_mask):  # on the threshold
+        ref, ref_grads = run_reference({k: v.double() if v.is_floating_point() else v for k, v in x.items()}, s,
+                                       entropy_mask_override=split.entropy_mask)  # fmt: skip
+    exact, ours = errors(wide, wide_grads, ref, ref_grads), errors(split, split_grads, ref, ref_grads)
+    for what, err in ours.items():
+        assert err <= 2 * exact[what] + 2e-7, f"{what}: split {err:.2e}, float32 GEMMs {exact[what]:.2e}"
+    assert not torch.equal(split_grads["weight"], wide_grads["weight"])  # the split path ran
+    rounded = errors(*run_fused(loss_fn, {**x, "weight": x["weight"].bfloat16(), "bias": x["bias"].bfloat16()}),
+                     ref, ref_grads)  # fmt: skip
+    assert ours["logp"] * 50 < rounded["logp"] and ours["d weight"] * 50 < rounded["d weight"]
+
+
+def test_terms_sum_to_the_weight():
+    w = torch.randn(64, 32) * 0.1
+    for count, bits in ((1, 8), (2, 16), (3, 24)):
+        terms = products.bf16_terms(w, count)
+        assert all(t.dtype == torch.bfloat16 for t in terms)
+        total = sum(t.double() for t in terms)
+        assert float(((total - w.double()).abs() / w.double().abs()).max()) <= 2.0**-bits
+    side_by_side = products.weight_terms(w)
+    assert side_by_side.shape == (64, 32 * products.SPLIT_TERMS)
+    assert torch.equal(side_by_side[:, :32], w.bfloat16())
+
+
+def test_primitive_takes_the_fp32_head(monkeypatch):
+    x = fp32_head_inputs(seed=3)
+    h = x["hidden"].detach().requires_grad_()
+    w = x["weight"].detach().requires_grad_()
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    out = fused_linear_logprobs(h, w, x["completion_ids"], bias=x["bias"], compiled=False)
+    (out.logp.sum() + out.entropy.sum()).backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    exact = fused_linear_logprobs(h.detach().double(), w.detach().double(), x["completion_ids"],
+                                  bias=x["bias"].double(), compiled=False)  # fmt: skip
+    assert max_error(out.logp, exact.logp) <= 1e-5 * float(exact.logp.abs().max())
+
+
+@pytest.mark.parametrize("hidden, weight", [(torch.bfloat16, torch.float16), (torch.float64, torch.float32),
+                                            (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_other_mixed_dtypes_are_refused(hidden, weight):
+    x = fp32_head_inputs(seed=4)
+    h, w = x["hidden"].to(hidden), x["weight"].to(weight)
+    with pytest.raises(TypeError, match="weight: dtype .* differs from hidden's"):
+        FusedLinearGRPOLoss(compiled=False)(h, w, x["completion_ids"], x["completion_mask"], x["advantages"])
+    with pytest.raises(TypeError, match="weight: dtype .* differs from hidden's"):
+        fused_linear_logprobs(h, w, x["completion_ids"], compiled=False)
+
+
+@pytest.mark.compiled
+def test_compiled_split_matches_eager(monkeypatch):
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    x = fp32_head_inputs(seed=5)
+    s = schedule_settings("speed")
+    eager, eager_grads = run_fused(FusedLinearGRPOLoss(compiled=False, schedule="speed", **TILES, **s), x)
+    compiled, compiled_grads = run_fused(FusedLinearGRPOLoss(compiled=True, schedule="speed", **TILES, **s), x)
+    assert max_error(compiled.per_token_logps, eager.per_token_logps) <= 1e-5
+    for k in eager_grads:
+        assert max_error(compiled_grads[k], eager_grads[k]) <= 1e-4 * float(eager_grads[k].abs().max())
