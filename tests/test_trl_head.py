@@ -86,6 +86,34 @@ def test_the_switch_with_rounded_logits():
         pass
 
 
+def test_the_switch_narrows_widened_hidden_states_for_the_fp32_head(monkeypatch):
+    """compiled_fused_head(hidden_dtype=torch.bfloat16): the float32 hidden states TRL's `cast_lm_head_to_fp32`
+    widened are narrowed back (exactly), so the float32 weight meets bf16 hidden states and the fp32 head's split
+    products run (`products.SPLIT_ON_CPU` here): the numbers of the primitive called on the bf16 states, the gradient
+    coming back to TRL's float32 states; without it, float32 GEMMs. A dtype other than 16-bit is refused."""
+    import trl.trainer.utils as trl_utils
+
+    from compiled_grpo import fused_linear_logprobs, products
+
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    hidden, weight, _, targets, _ = head_inputs()  # a float32 weight (not bf16 values)
+    hidden = hidden.bfloat16()
+    found = {}
+    for narrowed in (None, torch.bfloat16):
+        widened = hidden.float().requires_grad_()
+        with compiled_fused_head(compiled=False, hidden_dtype=narrowed):
+            logp, entropy = trl_utils._ChunkedLogProbFunction.apply(widened, weight, None, targets, 1.0, 128, None,
+                                                                    1.0, ("entropy",))[:2]  # fmt: skip
+        logp.sum().backward()
+        found[narrowed] = (logp, widened.grad)
+    direct = fused_linear_logprobs(hidden, weight, targets, compiled=False)
+    assert torch.equal(found[torch.bfloat16][0], direct.logp)
+    assert not torch.equal(found[None][0], direct.logp)  # float32 GEMMs: not the split's numbers
+    assert found[torch.bfloat16][1].dtype == torch.float32
+    with pytest.raises(ValueError, match="hidden_dtype"), compiled_fused_head(hidden_dtype=torch.float32):
+        pass
+
+
 def test_the_switch_with_captured_calls(monkeypatch):
     """compiled_fused_head(capture=True): TRL's head on the primitive with its passes captured (here through the
     CPU stand-in graph), equal to TRL's function; capture without compile is refused."""
@@ -223,18 +251,27 @@ def test_grpo_step_equals_trls(tmp_path):
     assert_same_step(make, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("dtype", "round_logits"), [(torch.float32, False), (torch.bfloat16, True)],
-                         ids=["float32", "bf16-rounded"])  # fmt: skip
-def test_compiled_grpo_trainer_old_log_probs_equal_the_losss(tmp_path, dtype, round_logits):
+@pytest.mark.parametrize(("dtype", "round_logits", "fp32_head"),
+                         [(torch.float32, False, False), (torch.bfloat16, True, False), (torch.bfloat16, False, True)],
+                         ids=["float32", "bf16-rounded", "bf16-fp32-head"])  # fmt: skip
+def test_compiled_grpo_trainer_old_log_probs_equal_the_losss(tmp_path, monkeypatch, dtype, round_logits, fp32_head):
     """With old log-probs computed (num_iterations=2), CompiledGRPOTrainer scores them with this library's kernels,
     at the loss's round_logits: on the first (on-policy) step they equal the loss's log-probs bitwise, so the
-    importance ratio is exactly 1."""
+    importance ratio is exactly 1; with `cast_lm_head_to_fp32` too (the split products, run here on the CPU)."""
     from test_integration_trl import make_trainer
 
+    from compiled_grpo import products
     from compiled_grpo.integrations.trl import CompiledGRPOTrainer
 
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    monkeypatch.setattr(products, "SPLIT_TERMS", 2)  # on a tiny model 3 terms round as float32 GEMMs: 2 tell them apart
     trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(dtype=dtype), num_iterations=2,
-                           loss_options={"round_logits": round_logits})  # fmt: skip
+                           loss_options={"round_logits": round_logits},
+                           cast_lm_head_to_fp32=fp32_head)  # fmt: skip
+    if fp32_head:  # float32 values bf16 cannot hold, so that the split's lower terms are not 0
+        with torch.no_grad():
+            weight = trainer.model.get_output_embeddings().weight
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * 1e-3)
     seen = []
     loss_fn = trainer.fused_loss
 

@@ -184,7 +184,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         """Old and reference log-probs (and TRL's own scoring) on this library's kernels, like the loss's (at its
         `round_logits`, so an on-policy ratio stays exactly 1)."""
-        with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits):
+        narrowed = widened_hidden_dtype(self) if self.args.cast_lm_head_to_fp32 else None
+        with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits,
+                                 hidden_dtype=narrowed):  # fmt: skip
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
@@ -268,3 +270,13 @@ class CompiledGRPOTrainer(GRPOTrainer):
             return self.fused_loss(
                 hidden, weight.float(), completion_ids, mask, inputs["advantages"], **{**call, "bias": bias}
             )
+
+
+def widened_hidden_dtype(trainer) -> torch.dtype | None:
+    """Under `cast_lm_head_to_fp32`, the 16-bit dtype of the model's final hidden states, which TRL widens to float32
+    for its head (that of the model's last parameter outside the lm_head, its final norm's): narrowed back, the
+    old and reference log-probs come from the fp32 head's products as the loss's do. None where it is not 16-bit."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    last = [p for p in model.parameters() if id(p) not in head and p.is_floating_point()][-1:]
+    return last[0].dtype if last and last[0].dtype in (torch.bfloat16, torch.float16) else None
