@@ -6,8 +6,10 @@
 product is formed by bf16 tensor-core GEMMs from a split of the float32 operands, a = a_1 + a_2 + ..., each term the
 bf16 rounding of what the terms before it left (8 more bits of the mantissa per term), the partial products summed
 in float32 (`Head.terms`: the weight's terms, made once per pass). The hidden states are exact in bf16 and need no
-split; G is split where it is multiplied. With `SPLIT_TERMS` terms the products' errors against float64 are those
-of float32 GEMMs (docs/precision.md), at bf16 tensor-core speed instead of float32's (about 13x slower on an H200).
+split; G is split where it is multiplied. Three terms carry the float32 operands' 24 bits: where the sums are exact
+float32 ones (a CPU), the products are as close to float64 as float32 GEMMs. On an H200 the tensor cores' own float32
+sums over a GEMM's K drift further (a bf16 GEMM's logits at H3584: 3.5x a float32 GEMM's rms error, the same with 2
+or 3 terms), at bf16 tensor-core speed instead of float32's (about 13x slower there): docs/precision.md.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ SPLIT_TERMS = 3  # bf16 terms of the float32 operands of the logits and of dW (d
 # dX's pairs (G_i, W_j) with i + j < this: dX is rounded to the bf16 hidden states' dtype, far above these
 # products' 2**-16 relative remainder
 HIDDEN_GRADIENT_TERMS = 2
-# Tokens per dW GEMM of the split products: the tensor cores sum each GEMM's K in float32 with truncation, so a
-# long K drifts (8192 tokens: 6x float32 GEMMs' rms error on an H200); the float32 sum over GEMMs rounds to nearest
-WEIGHT_GRADIENT_TOKENS = 1024
 SPLIT_ON_CPU = False  # tests set it to run the split products where no GPU is (each term's GEMM then in float32)
 
 
@@ -127,15 +126,13 @@ def hidden_gradient_into(out: torch.Tensor, g: torch.Tensor, head) -> None:
 
 def add_weight_gradient(acc: torch.Tensor, g_t: torch.Tensor, x: torch.Tensor, head, first: bool = False) -> None:
     """acc (+)= g_t @ x (`add_matmul`): dW's share of some tokens; from split terms, G's terms against x in bf16
-    (exact), WEIGHT_GRADIENT_TOKENS tokens per GEMM. g_t is used up (its buffer holds what each term leaves)."""
+    (exact). g_t is used up (its buffer holds what each term leaves)."""
     if head.terms is None:
         add_matmul(acc, g_t, x, first)
         return
     x16 = x.to(torch.bfloat16)
-    for c in range(0, x.shape[0], WEIGHT_GRADIENT_TOKENS):
-        chunk = slice(c, c + WEIGHT_GRADIENT_TOKENS)
-        for i, g_i in enumerate(terms_leaving_rest(g_t[:, chunk])):
-            add_matmul(acc, g_i, x16[chunk], first and c == 0 and i == 0)
+    for i, g_i in enumerate(terms_leaving_rest(g_t)):
+        add_matmul(acc, g_i, x16, first and i == 0)
 
 
 def terms_leaving_rest(a: torch.Tensor):

@@ -123,6 +123,19 @@ def test_split_product_study_runs_and_three_bf16_terms_reach_float32(tmp_path):
     assert "| split3 |" in (tmp_path / "split-product.md").read_text()
 
 
+def test_precision_study_runs(tmp_path):
+    """`benchmarks.diagnostics.precision` on the CPU: every setting's row, the bf16-rounded weight far from float64
+    where float32 GEMMs are not."""
+    import json
+
+    from benchmarks.diagnostics import precision
+
+    precision.main(["--hidden", "32", "--tokens", "64", "--vocab", "1000", "--out", str(tmp_path)])
+    rows = {r["setting"]: r["errors"] for r in json.loads((tmp_path / "precision.json").read_text())["rows"]}
+    assert len(rows) == 8 and "| bf16 weight, round_logits=True |" in (tmp_path / "precision.md").read_text()
+    assert rows["fp32 weight rounded to bf16"]["logp"][1] > 100 * rows["fp32 weight, float32 GEMMs"]["logp"][1]
+
+
 def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(tmp_path):
     """`benchmarks.trl_step` on the CPU (a tiny Qwen2): one micro-batch per step, and a whole optimizer step over a
     generation batch of 2 micro-batches, each trainer's row written."""

@@ -248,6 +248,8 @@ class CompiledGRPOTrainer(GRPOTrainer):
         # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
         # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
         autocast_off = torch.autocast(hidden.device.type, enabled=False) if self.args.cast_lm_head_to_fp32 else None
+        if autocast_off is not None and hidden.dtype not in (torch.bfloat16, torch.float16):
+            hidden = hidden.float()  # as TRL casts them (a float64 model's)
         args = self.args
         ratio = inputs.get("importance_sampling_ratio")
         use_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or args.loss_type == "vespo"

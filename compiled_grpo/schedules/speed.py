@@ -78,7 +78,7 @@ def tile_and_group(engine: Engine, head: Head, accumulates: bool, lean: bool) ->
     t = engine.tiles
     halved = lean or (accumulates and head.weight.shape[1] > SMALL_HIDDEN)
     tile = t.accumulating_speed_tile if halved else t.speed_tile
-    # split products make one dW GEMM per products.WEIGHT_GRADIENT_TOKENS anyway: a larger group only holds memory
+    # split products keep float32 logits gradients (twice a 16-bit head's bytes): one group per tile holds the least
     return tile, tile if lean or head.terms is not None else t.speed_group
 
 
