@@ -116,3 +116,26 @@ def test_compiled_split_matches_eager(monkeypatch):
     assert max_error(compiled.per_token_logps, eager.per_token_logps) <= 1e-5
     for k in eager_grads:
         assert max_error(compiled_grads[k], eager_grads[k]) <= 1e-4 * float(eager_grads[k].abs().max())
+
+
+@pytest.mark.parametrize("schedule", ["speed", "memory", "sparse"])
+def test_captured_calls_make_the_terms_from_the_weight_as_it_is(schedule, monkeypatch):
+    """Captured calls (the CPU stand-in graph) with a float32 weight that changes in place between calls, as an
+    optimizer changes it: every replay equals the uncaptured work on the same plan, bitwise (its weight terms are
+    made inside the captured work from the weight read in place, not kept from the call that captured)."""
+    from test_capture import Model, captured_and_plain
+
+    from compiled_grpo.schedules import passes
+
+    monkeypatch.setattr(passes, "CAPTURE_SLOT_BUCKET", 16)
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    captured, plain = captured_and_plain(schedule, schedule_settings(schedule))
+    mask = fp32_head_inputs(seed=20)["completion_mask"]
+    model = Model(fp32_head_inputs(seed=20))
+    for seed in range(4):
+        x = {**fp32_head_inputs(seed=20 + seed), "completion_mask": mask}
+        out, grads = model.call(captured, x)
+        same, same_grads = model.call(plain, x)
+        assert torch.equal(out.loss, same.loss) and torch.equal(out.per_token_logps, same.per_token_logps)
+        assert all(torch.equal(grads[k], same_grads[k]) for k in grads), schedule
+    assert captured.captures.replays >= 2
