@@ -9,7 +9,7 @@ in float32 (`Head.terms`: the weight's terms, made once per pass). The hidden st
 split; G is split where it is multiplied. Three terms carry the float32 operands' 24 bits: where the sums are exact
 float32 ones (a CPU), the products are as close to float64 as float32 GEMMs. On an H200 the tensor cores' own float32
 sums over a GEMM's K drift further (a bf16 GEMM's logits at H3584: 3.5x a float32 GEMM's rms error, the same with 2
-or 3 terms), at bf16 tensor-core speed instead of float32's (about 13x slower there): docs/precision.md.
+or 3 terms), at bf16 tensor-core speed instead of float32's (about 12x slower there): docs/precision.md.
 """
 
 from __future__ import annotations
