@@ -139,3 +139,22 @@ def test_captured_calls_make_the_terms_from_the_weight_as_it_is(schedule, monkey
         assert torch.equal(out.loss, same.loss) and torch.equal(out.per_token_logps, same.per_token_logps)
         assert all(torch.equal(grads[k], same_grads[k]) for k in grads), schedule
     assert captured.captures.replays >= 2
+
+
+@pytest.mark.parametrize("schedule", ["speed", "sparse"])
+def test_packed_calls_take_the_fp32_head(schedule, monkeypatch):
+    """A packed call (segment_ids, [rows, H] bf16 hidden states) with a float32 weight: the padded call's loss,
+    log-probs and gradients (the split products on the CPU), the hidden rows' gradient in bf16."""
+    from audits.harness import pack
+
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    x = fp32_head_inputs(seed=6)
+    s = schedule_settings(schedule)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **s)
+    padded, padded_grads = run_fused(loss_fn, x)
+    packed, packed_grads = run_fused(loss_fn, pack(x))
+    mask = x["completion_mask"].bool()
+    torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(packed.per_token_logps, padded.per_token_logps[mask], rtol=1e-6, atol=1e-6)
+    assert packed_grads["hidden"].dtype == torch.bfloat16
+    torch.testing.assert_close(packed_grads["weight"], padded_grads["weight"], rtol=1e-5, atol=1e-7)
