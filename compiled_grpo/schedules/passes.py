@@ -112,11 +112,19 @@ def captured_pass(engine: Engine, key, work, tensors: tuple):
     return engine.captures.run_with_absent((key, engine.tiles, engine.kernels.compiled), work, tensors)  # no grad
 
 
+def work_head(engine: Engine, head: Head, values, row_inv_temp) -> Head:
+    """The head a captured pass's work runs on, with the call's constants; while a graph is being captured, its
+    weight's terms made inside the graph from the weight read in place, so a replay sees the weight as it is then
+    (uncaptured, the call's own terms are current)."""
+    head = head._replace(values=values, row_inv_temp=row_inv_temp)
+    return head.with_fresh_terms() if engine.captures is not None and engine.captures.capturing else head
+
+
 def captured_statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool = False):
     """`statistics_pass`, captured where the engine captures calls."""
 
     def work(x, targets, values, row_inv_temp):
-        h = head._replace(values=values, row_inv_temp=row_inv_temp).with_fresh_terms()
+        h = work_head(engine, head, values, row_inv_temp)
         return statistics_pass(engine, x, targets, h, tiles, extras)
 
     key = ("statistics", tuple(tiles), head_key(head), extras)
@@ -127,7 +135,7 @@ def captured_vocab_outer_gradients(engine: Engine, x, rows: RowGradients, head: 
     """`vocab_outer_gradients`, captured where the engine captures calls."""
 
     def work(x, values, row_inv_temp, *row_tensors):
-        h = head._replace(values=values, row_inv_temp=row_inv_temp).with_fresh_terms()
+        h = work_head(engine, head, values, row_inv_temp)
         return vocab_outer_gradients(engine, x, RowGradients(*row_tensors), h, tiles, wanted)
 
     key = ("vocabulary-outer gradients", tuple(tiles), head_key(head), wanted)

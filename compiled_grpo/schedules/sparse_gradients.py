@@ -102,7 +102,7 @@ def gradients_of_rows(engine: Engine, x, head: Head, selected, wanted: Wanted, p
 
     def work(x, values, row_inv_temp, source, valid, *row_tensors):
         plan = dataclasses.replace(rows_plan, source=source, valid=valid, active=None, slot_of_active=None)
-        h = head._replace(values=values, row_inv_temp=row_inv_temp).with_fresh_terms()
+        h = passes.work_head(engine, head, values, row_inv_temp)
         return rows_gradients(engine, x, h, plan, wanted, RowGradients(*row_tensors), token_tiles=token_tiles)
 
     key = ("gradients of rows", rows_plan.tiles, rows_plan.identity, token_tiles, head_key(head), wanted)
