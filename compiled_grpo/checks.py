@@ -10,6 +10,7 @@ import weakref
 
 import torch
 
+from . import products
 from .faults import Faults
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -18,8 +19,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def weight_dtype_fault(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the lm_head weight's dtype does not go with the hidden states': it must be theirs, or float32 against
     16-bit ones (an fp32 head); None where it does."""
-    fp32_head = weight.dtype == torch.float32 and hidden.dtype in (torch.float16, torch.bfloat16)
-    if weight.dtype == hidden.dtype or fp32_head:
+    if weight.dtype == hidden.dtype or products.fp32_head(hidden, weight):
         return None
     return (f"dtype {weight.dtype} differs from hidden's {hidden.dtype} (the weight takes hidden's dtype, or float32 "
             "against 16-bit hidden states)")  # fmt: skip

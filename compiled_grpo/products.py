@@ -47,29 +47,37 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())  # CPU has no 16-bit GEMM with float32 output
 
 
+def fp32_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this is an fp32 head: a float32 weight against 16-bit hidden states."""
+    return weight.dtype == torch.float32 and hidden.dtype in (torch.float16, torch.bfloat16)
+
+
 def splits(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the head's products come from bf16 terms: bf16 hidden states against a float32 weight, on a GPU."""
     on_device = hidden.is_cuda or SPLIT_ON_CPU
-    return on_device and hidden.dtype == torch.bfloat16 and weight.dtype == torch.float32
+    return on_device and hidden.dtype == torch.bfloat16 and fp32_head(hidden, weight)
 
 
 def widened(hidden: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
-    """16-bit hidden states against a float32 weight in float32 (exact: the head is then a float32 one throughout,
-    and their gradient comes back in their dtype through the cast); else as they are."""
-    if hidden is None or weight.dtype != torch.float32 or hidden.dtype not in (torch.float16, torch.bfloat16):
-        return hidden
-    return hidden.float()
+    """An fp32 head's hidden states in float32 (exact: the head is then a float32 one throughout, and their
+    gradient comes back in their dtype through the cast); else as they are."""
+    return hidden.float() if hidden is not None and fp32_head(hidden, weight) else hidden
 
 
 def bf16_terms(a: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
-    """a (float32) as `count` (default SPLIT_TERMS) bf16 tensors whose float32 sum approaches it: each the bf16
-    rounding of what the ones before it left."""
-    terms, rest, count = [], a, count or SPLIT_TERMS
+    """a (float32) as `count` (default SPLIT_TERMS) bf16 tensors whose float32 sum approaches it (a is kept)."""
+    return list(terms_leaving_rest(a.clone(), count))
+
+
+def terms_leaving_rest(a: torch.Tensor, count: int | None = None):
+    """a (float32) as `count` (default SPLIT_TERMS) bf16 terms, one at a time, each the bf16 rounding of what the
+    ones before it left; a itself is left holding that rest (no copy of a)."""
+    count = count or SPLIT_TERMS
     for i in range(count):
-        terms.append(rest.to(torch.bfloat16))
+        term = a.to(torch.bfloat16)
+        yield term
         if i + 1 < count:
-            rest = rest - terms[-1].float()
-    return terms
+            a.sub_(term)
 
 
 def weight_terms(weight: torch.Tensor) -> torch.Tensor:
@@ -133,15 +141,6 @@ def add_weight_gradient(acc: torch.Tensor, g_t: torch.Tensor, x: torch.Tensor, h
     x16 = x.to(torch.bfloat16)
     for i, g_i in enumerate(terms_leaving_rest(g_t)):
         add_matmul(acc, g_i, x16, first and i == 0)
-
-
-def terms_leaving_rest(a: torch.Tensor):
-    """`bf16_terms` of a (float32) one at a time, a itself left holding what the terms so far leave (no copy of a)."""
-    for i in range(SPLIT_TERMS):
-        term = a.to(torch.bfloat16)
-        yield term
-        if i + 1 < SPLIT_TERMS:
-            a.sub_(term)
 
 
 def weight_gradient_into(out: torch.Tensor, g_t: torch.Tensor, x: torch.Tensor, head) -> torch.Tensor:
