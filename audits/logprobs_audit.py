@@ -149,13 +149,9 @@ def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
         limits = fp32_head_limits(ours, x, upstream, (ref_logp, ref_entropy, ref_grads))
     else:
         naive_grads = gradients(lambda h, w, t, bias: naive(h, w, t, bias, **options), x, upstream)[2]
-    for what, bound in limits.items():
-        if what in ("logp", "entropy"):
-            result.check(
-                f"{what} (fp32 head)",
-                relative_error(logp if what == "logp" else entropy, ref_logp if what == "logp" else ref_entropy),
-                bound,
-            )
+    if limits:
+        result.check("logp (fp32 head)", relative_error(logp, ref_logp), limits["logp"])
+        result.check("entropy (fp32 head)", relative_error(entropy, ref_entropy), limits["entropy"])
     for k, g in ref_grads.items():
         bound = limits.get(f"d {k}", tol["gradient"])
         if bound is None:
@@ -173,7 +169,7 @@ def fp32_head_limits(ours, x: dict, upstream, exact) -> dict[str, float]:
     ref_logp, ref_entropy, ref_grads = exact
     errors = {"logp": relative_error(logp, ref_logp), "entropy": relative_error(entropy, ref_entropy),
               **{f"d {k}": relative_error(grads[k], g) for k, g in ref_grads.items()}}  # fmt: skip
-    return {what: tolerances.FP32_HEAD_FACTOR * e + tolerances.FP32_HEAD_FLOOR for what, e in errors.items()}
+    return {what: tolerances.fp32_head_bound(e) for what, e in errors.items()}
 
 
 def check_extras(result: CellResult, extras, exact, tol) -> None:

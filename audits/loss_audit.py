@@ -222,8 +222,7 @@ def fp32_head_limits(cell: LossCell, settings: dict, x: dict, ref, ref_grads, re
         errors[name] = output_errors(out, grads, ref, ref_grads)
         picked = {k: errors[name][k] for k in ("loss", "logp", "entropy", "d hidden", "d weight")}
         result.notes.append(f"{name}: " + ", ".join(f"{k} {v:.1e}" for k, v in picked.items()))
-    return {what: tolerances.FP32_HEAD_FACTOR * e + tolerances.FP32_HEAD_FLOOR
-            for what, e in errors["float32 GEMMs"].items()}  # fmt: skip
+    return {what: tolerances.fp32_head_bound(e) for what, e in errors["float32 GEMMs"].items()}
 
 
 def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:

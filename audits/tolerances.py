@@ -54,6 +54,12 @@ ROUNDED_SLACK = 2e-3
 FP32_HEAD_FACTOR = 2.0
 FP32_HEAD_FLOOR = 2e-7
 
+
+def fp32_head_bound(float32_gemms_error: float) -> float:
+    """An fp32-head check's bound, from float32 GEMMs' error on the same inputs."""
+    return FP32_HEAD_FACTOR * float32_gemms_error + FP32_HEAD_FLOOR
+
+
 # An entropy-mask difference is legitimate only for a token whose entropy lies within rounding of the
 # threshold: float32 statistics (fp32 and bf16 runs alike) put ~1e-6 relative error on each entropy.
 MASK_ON_THRESHOLD = {"float32": 1e-5, "bfloat16": 1e-4, "fp32-head": 1e-5}
