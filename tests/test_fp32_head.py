@@ -158,3 +158,25 @@ def test_packed_calls_take_the_fp32_head(schedule, monkeypatch):
     torch.testing.assert_close(packed.per_token_logps, padded.per_token_logps[mask], rtol=1e-6, atol=1e-6)
     assert packed_grads["hidden"].dtype == torch.bfloat16
     torch.testing.assert_close(packed_grads["weight"], padded_grads["weight"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("schedule", ["memory", "speed", "sparse"])
+def test_fp32_head_without_grad_mode(context, schedule, monkeypatch):
+    """Under no_grad and inference_mode the fp32 head (split products) gives the grad-mode call's loss, log-probs
+    and entropies, the loss's and the primitive's alike."""
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    x = fp32_head_inputs(seed=7)
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **schedule_settings(schedule))
+    with_grad, _ = run_fused(loss_fn, x)
+    args = [x[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    rest = {k: v for k, v in x.items() if k not in ("hidden", "weight", "completion_ids", "completion_mask",
+                                                    "advantages")}  # fmt: skip
+    primitive = fused_linear_logprobs(x["hidden"], x["weight"], x["completion_ids"], bias=x["bias"], compiled=False)
+    with context():
+        out = loss_fn(*args, **rest)
+        bare = fused_linear_logprobs(x["hidden"], x["weight"], x["completion_ids"], bias=x["bias"], compiled=False)
+    torch.testing.assert_close(out.loss, with_grad.loss.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(out.per_token_logps, with_grad.per_token_logps.detach())
+    assert torch.equal(out.entropy, with_grad.entropy.detach())
+    assert torch.equal(bare.logp, primitive.logp) and torch.equal(bare.entropy, primitive.entropy)
