@@ -10,9 +10,8 @@ on zero-advantage groups. "dense": every position is a response token with a non
 entropy_coeff 0.01 (every upstream gradient non-zero). Each head's outputs and gradients are also compared with
 verl's Triton kernel's.
 
-verl's kernel files are loaded from a verl wheel (`--verl-wheel`, default `.whl/verl-0.9.1-py3-none-any.whl`)
-with a small stub for `verl.utils.device` (importing the `verl` package would pull Ray), unless verl is
-installed.
+verl's kernel files come from the installed verl or else from a verl wheel (`--verl-wheel`, default
+`.whl/verl-0.9.1-py3-none-any.whl`; benchmarks/verl_triton.py says how).
 
     python -m benchmarks.verl_head [--repeats 10] [--out benchmark-results]
 """
@@ -21,51 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
 
-from benchmarks import plots
-from benchmarks.gpu import measure
+from benchmarks import plots, verl_triton
+from benchmarks.timing import measure
 from compiled_grpo.integrations import verl as adapter
 
 H, V, SEQUENCES, LENGTH, GROUP = 4096, 151936, 16, 1024, 4
 PROMPT = LENGTH // 3
-KERNEL_FILES = ("verl/utils/kernel/kernels.py", "verl/utils/kernel/linear_cross_entropy.py",
-                "verl/utils/experimental/torch_functional.py")  # fmt: skip
-DEVICE_STUB = """import torch
-is_cuda_available = torch.cuda.is_available()
-def get_device_name(): return "cuda"
-def get_torch_device(): return torch.cuda
-def get_device_capability(): return torch.cuda.get_device_capability()
-"""
-
-
-def load_verl(wheel: Path):
-    """(verl's linear_cross_entropy, verl's FusedLinearForPPO): from the installed verl, else from the wheel."""
-    try:
-        from verl.utils.experimental.torch_functional import FusedLinearForPPO
-        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-
-        return linear_cross_entropy, FusedLinearForPPO
-    except ImportError:
-        pass
-    root = Path(tempfile.mkdtemp(prefix="verl-kernels-"))
-    with zipfile.ZipFile(wheel) as z:
-        for name in KERNEL_FILES:
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            (root / name).write_bytes(z.read(name))
-    for package in ("verl", "verl/utils", "verl/utils/kernel", "verl/utils/experimental"):
-        (root / package / "__init__.py").touch()
-    (root / "verl/utils/device.py").write_text(DEVICE_STUB)
-    sys.path.insert(0, str(root))
-    from verl.utils.experimental.torch_functional import FusedLinearForPPO
-    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-
-    return linear_cross_entropy, FusedLinearForPPO
 
 
 def make_batch(dense: bool, seed: int = 0) -> dict:
@@ -177,12 +141,15 @@ def write_markdown(rows: list[dict], out: Path, repeats: int) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--verl-wheel", type=Path, default=Path(".whl/verl-0.9.1-py3-none-any.whl"))
+    ap.add_argument("--verl-wheel", type=Path, default=verl_triton.WHEEL)
     ap.add_argument("--out", default="benchmark-results", help="folder for verl.md, verl.json and verl.png")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (none is visible)")
-    methods = heads(*load_verl(args.verl_wheel))
+    loaded = verl_triton.load(args.verl_wheel)
+    if isinstance(loaded, str):
+        ap.error(loaded)
+    methods = heads(*loaded)
     rows = run("verl-shaped", args.repeats, methods) + run("dense", args.repeats, methods)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

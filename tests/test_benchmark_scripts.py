@@ -79,7 +79,10 @@ def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
     assert "| cycle4 | 16 |" in (tmp_path / "capture-layouts.md").read_text()
 
 
-USER_BENCHMARKS = ("gpu", "cpu", "trl_step", "sft_step", "verl_head", "side_by_side", "plots", "unsloth_head")
+USER_BENCHMARKS = (
+    "gpu", "gpu_methods", "timing", "cpu", "trl_step", "sft_step", "verl_head", "verl_triton", "side_by_side", "plots",
+    "unsloth_head",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", USER_BENCHMARKS)

@@ -28,7 +28,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.gpu import median_ms
+from benchmarks.timing import median_ms
 from compiled_grpo import streaming, tiling
 from compiled_grpo.head import Head, VocabShard
 from compiled_grpo.kernels import Kernels

@@ -22,8 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import reference
-from benchmarks import gpu
-from benchmarks.gpu import SHAPES, loss_settings, make_inputs
+from benchmarks import gpu_methods
+from benchmarks.gpu import SHAPES, make_inputs
+from benchmarks.gpu_methods import loss_settings
 from compiled_grpo import FusedLinearGRPOLoss, batch_objective, checks, logprobs, quantile, tiling
 from compiled_grpo.schedules import passes, recompute, sparse_gradients, speed, whole_forward
 
@@ -40,7 +41,11 @@ PHASES = (
     (whole_forward.LossOfSlots, "backward"), (logprobs, "prepare"), (reference, "grpo_objective"),
 )  # fmt: skip
 # heads with the loss on top, as benchmarks.gpu runs them
-HEADS = {"primitive": gpu.primitive(), "primitive-rounded": gpu.primitive(round_logits=True), "trl": gpu.trl_fused_head}
+HEADS = {
+    "primitive": gpu_methods.primitive(),
+    "primitive-rounded": gpu_methods.primitive(round_logits=True),
+    "trl": gpu_methods.trl_fused_head,
+}
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu import median_ms
+from benchmarks.timing import median_ms
 
 METHODS = ("fp32", "tf32", "bf16", "split2", "split3", "concat2", "concat3")
 

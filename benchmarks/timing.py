@@ -1,0 +1,33 @@
+"""GPU timing shared by the benchmarks: median CUDA-event time of a call, and its peak memory."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def measure(run, x: dict, repeats: int, warmup: int = 3) -> tuple[float, float]:
+    """(median ms, peak GiB above the memory in use before the call); `x["weight"].grad` cleared between calls."""
+    for _ in range(warmup):
+        run()
+        x["weight"].grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = median_ms(run, repeats, after=lambda: setattr(x["weight"], "grad", None))
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def median_ms(fn, repeats: int, after=lambda: None) -> float:
+    """Median CUDA-event time of `fn()` over `repeats` calls, `after()` run between them (outside the timing)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        after()
+    return statistics.median(times)

@@ -1,0 +1,77 @@
+"""`benchmarks.gpu`'s parts that run without a GPU: the baselines written on full logits compute the loss the
+reference computes (a mis-wired baseline would make every ratio against it meaningless), GPU-only heads say why
+they do not run, captured rows run only where the trainer captures, and runs split over several calls join into
+one table only when they ran the same versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu, gpu_methods
+
+TINY = gpu.Shape("tiny", 8, 16, ragged=True, zero_advantage=True, H=64, V=512)
+
+
+def weight_gradient(make, x) -> torch.Tensor:
+    x["weight"].grad = None
+    make(TINY, x)()
+    return x["weight"].grad.float().clone()
+
+
+def test_plain_loss_baselines_compute_the_reference_loss(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # the same function, run eagerly
+    x = gpu.make_inputs(TINY, device="cpu")
+    expected = weight_gradient(gpu_methods.full_logits, x)
+    assert expected.abs().max() > 0
+    for make in (gpu_methods.plain_compile(entropy=True), gpu_methods.plain_compile(entropy=False),
+                 gpu_methods.trl_fused_head):  # fmt: skip
+        got = weight_gradient(make, x)
+        assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_gpu_only_heads_say_why_on_a_cpu():
+    x = gpu.make_inputs(TINY, device="cpu")
+    for make in (gpu_methods.verl_triton_head, gpu_methods.liger_cute_head):
+        assert isinstance(make(TINY, x), str)
+
+
+def test_captured_rows_only_where_the_trainer_captures():
+    from compiled_grpo.integrations.trl import CAPTURED_HIDDEN_SIZE
+
+    made = gpu_methods.where_trainer_captures(lambda shape, x: "measured")
+    assert made(gpu.SHAPES["H1536"], None) == "measured"
+    assert gpu.SHAPES["S1"].H > CAPTURED_HIDDEN_SIZE
+    assert made(gpu.SHAPES["S1"], None).startswith("not run")
+
+
+def test_the_headline_names_exist():
+    assert set(gpu_methods.HEADLINE) <= set(gpu_methods.METHODS)
+    assert set(gpu.HEADLINE_SHAPES) <= set(gpu.SHAPES)
+
+
+def stored_run(path, shape, versions, methods=("floor: three lm_head GEMMs", "TRL 1.16 fused head + loss")):
+    rows = [{"shape": shape, "method": m, "tokens": 8192, "ms": 10.0 + i, "peak_gib": 1.0, "status": "ok"}
+            for i, m in enumerate(methods)]  # fmt: skip
+    rows.append({"shape": shape, "method": "verl 0.9.1 Triton head + loss", "tokens": 8192, "status": "skipped"})
+    path.write_text(json.dumps({"versions": versions, "rows": gpu.with_ratios(rows)}))
+    return str(path)
+
+
+def test_runs_of_one_set_of_versions_join_into_one_table(tmp_path):
+    versions = {"gpu": "GPU", "torch": "2", "triton": "3", "trl": "1.16.0", "repeats": 10}
+    a, b = stored_run(tmp_path / "a.json", "H896", versions), stored_run(tmp_path / "b.json", "S1", versions)
+    gpu.main(["--combine", a, b, "--out", str(tmp_path / "out")])
+    table = (tmp_path / "out" / "gpu.md").read_text()
+    assert "## H896" in table and "## S1" in table
+    assert "| TRL 1.16 fused head + loss | 11.0 | 1.10 | 1.00 | 1.00 |" in table
+    assert "| verl 0.9.1 Triton head + loss | skipped | | | |" in table
+    assert len(json.loads((tmp_path / "out" / "gpu.json").read_text())["rows"]) == 6
+    other = stored_run(tmp_path / "c.json", "S3", {**versions, "torch": "3"})
+    with pytest.raises(SystemExit):
+        gpu.main(["--combine", a, other, "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit):
+        gpu.main(["--combine", a, a, "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
