@@ -19,6 +19,7 @@ micro-batch plus the same optimizer step.
 
     python -m benchmarks.trl_step --model 0.5B [--batches dense,q0.2,half0,zero75,both] [--sizes 8,16]
         [--trainers grpo,auto,skip-all] [--generation 2] [--repeats 5] [--out benchmark-results]
+    python -m benchmarks.trl_step --model 0.5B --headline   # docs/benchmarks/trl-step's run, per model
     python -m benchmarks.trl_step --report benchmark-results/trl-step-*.json [--out docs/benchmarks/trl-step]
 
 The first writes `trl-step-<model>.json` (`trl-step-<model>-step<N>.json` with `--generation`; row by row, so an
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.metadata as md
 import itertools
 import json
 import statistics
@@ -137,6 +139,9 @@ TRAINERS = {  # name: (trainer, its options)
     "auto-fp32": (CompiledGRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
+DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS}
+# the headline run (docs/benchmarks/trl-step, README's step table): the defaults users get, against GRPOTrainer
+HEADLINE = {"batches": "dense,q0.2,half0,both,varied", "sizes": "8", "trainers": "grpo,auto,skip-all,rounded"}
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
@@ -427,6 +432,7 @@ def sweep(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / (f"trl-step-{args.model}" + (f"-step{args.generation}" if args.generation else "") + ".json")
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
+                "trl": md.version("trl"), "transformers": md.version("transformers"),
                 "repeats": args.repeats}  # fmt: skip
     rows = []
     for size in map(int, args.sizes.split(",")):
@@ -515,14 +521,18 @@ def cell(mine: dict, name: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(QWEN), default="0.5B")
-    ap.add_argument("--batches", default=",".join(BATCHES))
-    ap.add_argument("--sizes", default="8,16")
-    ap.add_argument("--trainers", default=DEFAULT_TRAINERS, help=f"of {list(TRAINERS)}")
+    ap.add_argument("--batches", default=None, help=f"of {list(BATCHES)}; default: every kind")
+    ap.add_argument("--sizes", default=None, help="completions per micro-batch; default 8,16")
+    ap.add_argument("--trainers", default=None, help=f"of {list(TRAINERS)}; default {DEFAULT_TRAINERS}")
+    ap.add_argument("--headline", action="store_true", help=f"the headline run's batches, sizes, trainers: {HEADLINE}")
     ap.add_argument("--repeats", type=int, default=9, help="rounds; each runs every method once")
     ap.add_argument("--generation", type=int, default=0, help="time whole optimizer steps over this many micro-batches")
     ap.add_argument("--out", default="benchmark-results")
     ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
     args = ap.parse_args(argv)
+    for key, value in (HEADLINE if args.headline else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     unknown = [b for b in args.batches.split(",") if b not in BATCHES] + [
         t for t in args.trainers.split(",") if t not in TRAINERS
     ]

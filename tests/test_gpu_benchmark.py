@@ -75,3 +75,20 @@ def test_runs_of_one_set_of_versions_join_into_one_table(tmp_path):
     with pytest.raises(SystemExit):
         gpu.main(["--combine", a, a, "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_readme_performance_tables_are_the_stored_runs(tmp_path):
+    """README's performance numbers are the stored runs' (the generated tables), and the section's prose quotes
+    none of its own; a hand-edited number turns the check red."""
+    import re
+
+    from benchmarks import headline
+
+    assert headline.main(["--check"]) == 0
+    readme = (headline.ROOT / "README.md").read_text()
+    section = readme[readme.index("## Performance") : readme.index("## ", readme.index("## Performance") + 3)]
+    prose = section[: section.index(headline.BEGIN)] + section[section.index(headline.END) :]
+    assert not re.findall(r"\d+(?:\.\d+)?\s*(?:ms|GiB|x\b|%)", prose)  # a time, memory, ratio or share
+    edited = tmp_path / "README.md"
+    edited.write_text(readme.replace("| floor: three lm_head GEMMs | ", "| floor: three lm_head GEMMs | 1", 1))
+    assert headline.main(["--check", "--readme", str(edited)]) == 1

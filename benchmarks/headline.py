@@ -1,0 +1,171 @@
+"""README's performance tables, generated from the stored headline runs: every number in them comes from the
+one run whose file the table names, and a test fails when README.md and those files disagree.
+
+The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`), docs/benchmarks/trl-step/*.json
+(`python -m benchmarks.trl_step --model M --headline`, M = 0.5B, 1.5B, 7B, and with `--generation 2` for
+whole optimizer steps) and docs/benchmarks/fp32-head/gpu.json
+(`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`), docs/benchmarks/verl/verl.json
+(`python -m benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json (`python -m benchmarks.sft_step`).
+
+    python -m benchmarks.headline          # rewrites the tables between README.md's markers
+    python -m benchmarks.headline --check  # exits 1 when README.md's tables differ from the stored runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.gpu_methods import HEADLINE
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN = "<!-- performance tables: written by `python -m benchmarks.headline` from docs/benchmarks; edit the runs -->"
+END = "<!-- end of the performance tables -->"
+STEP_MODELS = ("0.5B", "1.5B", "7B")
+STEP_TRAINERS = {  # the trainers the step table shows, as labelled there
+    "grpo": "GRPOTrainer",
+    "auto": "CompiledGRPOTrainer (defaults)",
+    "skip-all": "skip_zero_advantage='all'",
+    "rounded": "round_logits=True",
+}
+FP32_METHODS = {
+    "floor: three lm_head GEMMs in float32": "float32 GEMMs alone",
+    "TRL 1.16 fused head + loss, float32 GEMMs": "TRL 1.16, float32",
+    "TRL 1.16 fused head + loss, TF32": "TRL 1.16, TF32",
+    "compiled_grpo auto, compiled": "compiled_grpo auto",
+    "compiled_grpo primitive + loss, compiled": "compiled_grpo primitive + loss",
+}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def timed(row: dict | None) -> str:
+    """`ms (peak GiB)` of a measured row; `-` for a row that did not run (its reason is in the run's own table)."""
+    if row is None or "ms" not in row:
+        return "-"
+    return f"{row['ms']:.1f} ({row['peak_gib']:.2f})" if row.get("peak_gib") is not None else f"{row['ms']:.1f}"
+
+
+def versions_of(info: dict) -> str:
+    return "; ".join(f"{k} {v}" for k, v in info.items() if k != "repeats")
+
+
+def grid(rows: list[dict], names: dict, corner: str) -> list[str]:
+    """A table with one line per method (`names`: method -> label, in order) and one column per shape."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    lines = [f"| {corner} | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+    for method, label in names.items():
+        mine = {r["shape"]: r for r in rows if r["method"] == method}
+        if any("ms" in r for r in mine.values()):
+            lines.append(f"| {label} | " + " | ".join(timed(mine.get(s)) for s in shapes) + " |")
+    return lines
+
+
+def head_table(root: Path) -> list[str]:
+    run = load(root / "docs/benchmarks/gpu.json")
+    caption = (
+        "**The fused head and the loss** (forward + backward, ms (peak GiB); bf16, dapo; "
+        f"{versions_of(run['versions'])}; [every row and the reasons for `-`](docs/benchmarks/gpu.md)):"
+    )
+    return [caption, "", *grid(run["rows"], {m: m for m in HEADLINE}, "method")]
+
+
+def step_table(root: Path) -> list[str]:
+    folder = root / "docs/benchmarks/trl-step"
+    paths = [folder / f"trl-step-{m}{step}.json" for m in STEP_MODELS for step in ("", "-step2")]
+    runs = [load(p) for p in paths if p.exists()]
+    rows = [r for run in runs for r in run["rows"]]
+    present = [t for t in STEP_TRAINERS if any(r["method"] == t for r in rows)]
+    caption = (
+        f"**TRL's GRPO step** (`_compute_loss` + backward, the model included; ms (peak GiB), speed-up over "
+        f"GRPOTrainer; {versions_of(runs[0]['versions'])}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
+    )
+    lines = [caption, "", "| model, batch | " + " | ".join(STEP_TRAINERS[t] for t in present) + " |",
+             "|---|" + "---|" * len(present)]  # fmt: skip
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        cells = [step_cell(mine, t) for t in present]
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def step_cell(mine: dict, trainer: str) -> str:
+    row, grpo = mine.get(trainer), mine.get("grpo", {})
+    text = timed(row)
+    if trainer != "grpo" and text != "-" and "ms" in grpo:
+        text += f", {grpo['ms'] / row['ms']:.2f}x"
+    return text
+
+
+def fp32_table(root: Path) -> list[str]:
+    run = load(root / "docs/benchmarks/fp32-head/gpu.json")
+    caption = (
+        "**The fp32 head** (`cast_lm_head_to_fp32`: a float32 lm_head against bf16 hidden states, 8192 tokens; "
+        f"ms (peak GiB); {versions_of(run['versions'])}; [the run](docs/benchmarks/fp32-head/gpu.md)):"
+    )
+    return [caption, "", *grid(run["rows"], FP32_METHODS, "method")]
+
+
+def verl_table(root: Path) -> list[str]:
+    run = load(root / "docs/benchmarks/verl/verl.json")
+    methods = {m: m for m in dict.fromkeys(r["method"] for r in run["rows"])}
+    caption = (
+        "**verl's fused head** (`use_fused_kernels`; 16 sequences of 1024 tokens, a third prompt, half the groups at "
+        f"advantage 0, and a dense batch; ms (peak GiB); {versions_of(run['versions'])}; "
+        "[the run](docs/benchmarks/verl/verl.md)):"
+    )
+    return [caption, "", *grid(run["rows"], methods, "head")]
+
+
+def sft_table(root: Path) -> list[str]:
+    runs = [load(p) for m in STEP_MODELS if (p := root / f"docs/benchmarks/sft-step/sft-step-{m}.json").exists()]
+    rows = [r for run in runs for r in run["rows"]]
+    caption = (
+        "**TRL's SFT step** on TRL's fused head and on `compiled_fused_head()` (the model included; ms (peak GiB), "
+        f"speed-up over TRL's head; {versions_of(runs[0]['versions'])}; "
+        "[the table](docs/benchmarks/sft-step/sft-step.md)):"
+    )
+    lines = [caption, "", "| model, batch | TRL's fused head | compiled_fused_head() |", "|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        ours = timed(mine.get("compiled"))
+        if ours != "-" and "ms" in mine.get("trl", {}):
+            ours += f", {mine['trl']['ms'] / mine['compiled']['ms']:.2f}x"
+        lines.append(f"| {shape} | {timed(mine.get('trl'))} | {ours} |")
+    return lines
+
+
+def render(root: Path = ROOT) -> str:
+    tables = [head_table(root), step_table(root), fp32_table(root), verl_table(root), sft_table(root)]
+    return "\n".join([BEGIN, "", *(line for t in tables for line in (*t, "")), END])
+
+
+def with_tables(readme: str, tables: str) -> str:
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no '{BEGIN}' ... '{END}' block")
+    return readme[:start] + tables + readme[end + len(END) :]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare, write nothing; exit 1 on a difference")
+    ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    args = ap.parse_args(argv)
+    readme = args.readme.read_text()
+    wanted = with_tables(readme, render())
+    if args.check:
+        if wanted != readme:
+            print(f"{args.readme}'s performance tables differ from the stored runs: run python -m benchmarks.headline")
+            return 1
+        return 0
+    args.readme.write_text(wanted)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
