@@ -141,7 +141,7 @@ TRAINERS = {  # name: (trainer, its options)
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS}
 # the headline run (docs/benchmarks/trl-step, README's step table): the defaults users get, against GRPOTrainer
-HEADLINE = {"batches": "dense,q0.2,half0,both,varied", "sizes": "8", "trainers": "grpo,auto,skip-all,rounded"}
+HEADLINE = {"batches": "dense,q0.2,half0,both", "sizes": "8", "trainers": "grpo,auto,skip-all"}
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
