@@ -207,16 +207,17 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
     (out / "gpu.md").write_text("\n".join(lines))
 
 
-def write_run(rows: list[dict], info: dict, out: Path) -> None:
+def write_run(rows: list[dict], info: dict, out: Path, date: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps({"versions": info, "rows": rows}, indent=1))
+    run = {"versions": info, "date": date or time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
+    (out / "gpu.json").write_text(json.dumps(run, indent=1))
     write_markdown(rows, info, out, info["repeats"])
     plots.draw(rows, out / "gpu.png", plots.run_title(f"{info['gpu']}, bf16, dapo", rows))
 
 
-def combined(paths: list[Path]) -> tuple[list[dict], dict]:
-    """The rows of several runs and their one set of versions; runs of other versions, or a (shape, method)
-    measured twice, are refused (a table mixes no runs of different code or settings)."""
+def combined(paths: list[Path]) -> tuple[list[dict], dict, str | None]:
+    """The rows of several runs, their one set of versions and the latest date; runs of other versions, or a
+    (shape, method) measured twice, are refused (a table mixes no runs of different code or settings)."""
     runs = [json.loads(p.read_text()) for p in paths]
     info = runs[0]["versions"]
     for path, run in zip(paths, runs, strict=True):
@@ -227,7 +228,7 @@ def combined(paths: list[Path]) -> tuple[list[dict], dict]:
     twice = sorted({k for k in seen if seen.count(k) > 1})
     if twice:
         raise ValueError(f"measured in more than one run: {twice}")
-    return rows, info
+    return rows, info, max((run["date"] for run in runs if "date" in run), default=None)
 
 
 def chosen_methods(args) -> tuple[dict, dict]:
@@ -270,10 +271,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.combine:
         try:
-            rows, info = combined(args.combine)
+            rows, info, date = combined(args.combine)
         except (ValueError, OSError, KeyError) as e:
             ap.error(f"--combine: {e}")
-        return write_run(rows, info, Path(args.out))
+        return write_run(rows, info, Path(args.out), date)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (none is visible); on a CPU run `python -m benchmarks.cpu`")
     shapes = (args.shapes or ",".join(HEADLINE_SHAPES if args.headline else SHAPES)).split(",")

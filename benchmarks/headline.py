@@ -50,8 +50,13 @@ def timed(row: dict | None) -> str:
     return f"{row['ms']:.1f} ({row['peak_gib']:.2f})" if row.get("peak_gib") is not None else f"{row['ms']:.1f}"
 
 
-def versions_of(info: dict) -> str:
-    return "; ".join(f"{k} {v}" for k, v in info.items() if k != "repeats")
+def about(*runs: dict) -> str:
+    """The runs' versions (those of the first: the runs of one table share them), dates and notes."""
+    text = "; ".join(f"{k} {v}" for k, v in runs[0]["versions"].items() if k != "repeats")
+    dates = sorted({run["date"] for run in runs if "date" in run})
+    if dates:
+        text += f"; run {' to '.join(dict.fromkeys((dates[0], dates[-1])))}"
+    return text + "".join(f"; {note}" for note in dict.fromkeys(run["note"] for run in runs if "note" in run))
 
 
 def grid(rows: list[dict], names: dict, corner: str) -> list[str]:
@@ -69,7 +74,7 @@ def head_table(root: Path) -> list[str]:
     run = load(root / "docs/benchmarks/gpu.json")
     caption = (
         "**The fused head and the loss** (forward + backward, ms (peak GiB); bf16, dapo; "
-        f"{versions_of(run['versions'])}; [every row and the reasons for `-`](docs/benchmarks/gpu.md)):"
+        f"{about(run)}; [every row and the reasons for `-`](docs/benchmarks/gpu.md)):"
     )
     return [caption, "", *grid(run["rows"], {m: m for m in HEADLINE}, "method")]
 
@@ -82,7 +87,7 @@ def step_table(root: Path) -> list[str]:
     present = [t for t in STEP_TRAINERS if any(r["method"] == t for r in rows)]
     caption = (
         f"**TRL's GRPO step** (`_compute_loss` + backward, the model included; ms (peak GiB), speed-up over "
-        f"GRPOTrainer; {versions_of(runs[0]['versions'])}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
+        f"GRPOTrainer; {about(*runs)}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
     )
     lines = [caption, "", "| model, batch | " + " | ".join(STEP_TRAINERS[t] for t in present) + " |",
              "|---|" + "---|" * len(present)]  # fmt: skip
@@ -105,7 +110,7 @@ def fp32_table(root: Path) -> list[str]:
     run = load(root / "docs/benchmarks/fp32-head/gpu.json")
     caption = (
         "**The fp32 head** (`cast_lm_head_to_fp32`: a float32 lm_head against bf16 hidden states, 8192 tokens; "
-        f"ms (peak GiB); {versions_of(run['versions'])}; [the run](docs/benchmarks/fp32-head/gpu.md)):"
+        f"ms (peak GiB); {about(run)}; [the run](docs/benchmarks/fp32-head/gpu.md)):"
     )
     return [caption, "", *grid(run["rows"], FP32_METHODS, "method")]
 
@@ -115,7 +120,7 @@ def verl_table(root: Path) -> list[str]:
     methods = {m: m for m in dict.fromkeys(r["method"] for r in run["rows"])}
     caption = (
         "**verl's fused head** (`use_fused_kernels`; 16 sequences of 1024 tokens, a third prompt, half the groups at "
-        f"advantage 0, and a dense batch; ms (peak GiB); {versions_of(run['versions'])}; "
+        f"advantage 0, and a dense batch; ms (peak GiB); {about(run)}; "
         "[the run](docs/benchmarks/verl/verl.md)):"
     )
     return [caption, "", *grid(run["rows"], methods, "head")]
@@ -126,7 +131,7 @@ def sft_table(root: Path) -> list[str]:
     rows = [r for run in runs for r in run["rows"]]
     caption = (
         "**TRL's SFT step** on TRL's fused head and on `compiled_fused_head()` (the model included; ms (peak GiB), "
-        f"speed-up over TRL's head; {versions_of(runs[0]['versions'])}; "
+        f"speed-up over TRL's head; {about(*runs)}; "
         "[the table](docs/benchmarks/sft-step/sft-step.md)):"
     )
     lines = [caption, "", "| model, batch | TRL's fused head | compiled_fused_head() |", "|---|---|---|"]

@@ -434,7 +434,7 @@ def sweep(args) -> None:
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "trl": md.version("trl"), "transformers": md.version("transformers"),
                 "repeats": args.repeats}  # fmt: skip
-    rows = []
+    rows, date = [], time.strftime("%Y-%m-%d", time.gmtime())
     for size in map(int, args.sizes.split(",")):
         for kind in args.batches.split(","):
             shape, steps, trainers = steps_to_time(args, model, size, kind, setup)
@@ -451,7 +451,7 @@ def sweep(args) -> None:
                     row["pool_free_gib"] = pool_free_gib(captures) if on_gpu else None
                 rows.append(with_footprint(with_measurement(row, measured)))
                 print(json.dumps(row), flush=True)
-            path.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+            path.write_text(json.dumps({"versions": versions, "date": date, "rows": rows}, indent=1))
             del steps, trainers
             if on_gpu:
                 torch.cuda.empty_cache()

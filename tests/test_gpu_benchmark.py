@@ -92,3 +92,12 @@ def test_readme_performance_tables_are_the_stored_runs(tmp_path):
     edited = tmp_path / "README.md"
     edited.write_text(readme.replace("| floor: three lm_head GEMMs | ", "| floor: three lm_head GEMMs | 1", 1))
     assert headline.main(["--check", "--readme", str(edited)]) == 1
+
+
+def test_a_tables_caption_names_its_runs_dates_and_notes():
+    from benchmarks import headline
+
+    versions = {"gpu": "GPU", "torch": "2", "repeats": 9}
+    runs = [{"versions": versions, "date": "2026-12-01"}, {"versions": versions, "date": "2026-12-03", "note": "n"}]
+    assert headline.about(*runs) == "gpu GPU; torch 2; run 2026-12-01 to 2026-12-03; n"
+    assert headline.about({"versions": versions}) == "gpu GPU; torch 2"
