@@ -51,8 +51,11 @@ def timed(row: dict | None) -> str:
 
 
 def about(*runs: dict) -> str:
-    """The runs' versions (those of the first: the runs of one table share them), dates and notes."""
-    text = "; ".join(f"{k} {v}" for k, v in runs[0]["versions"].items() if k != "repeats")
+    """The runs' versions (one set: runs of other versions are refused in one table), dates and notes."""
+    shared = [{k: v for k, v in run["versions"].items() if k != "repeats"} for run in runs]
+    if any(v != shared[0] for v in shared):
+        raise ValueError(f"one table's runs ran under different versions: {shared}")
+    text = "; ".join(f"{k} {v}" for k, v in shared[0].items())
     dates = sorted({run["date"] for run in runs if "date" in run})
     if dates:
         text += f"; run {' to '.join(dict.fromkeys((dates[0], dates[-1])))}"

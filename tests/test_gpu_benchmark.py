@@ -101,3 +101,5 @@ def test_a_tables_caption_names_its_runs_dates_and_notes():
     runs = [{"versions": versions, "date": "2026-12-01"}, {"versions": versions, "date": "2026-12-03", "note": "n"}]
     assert headline.about(*runs) == "gpu GPU; torch 2; run 2026-12-01 to 2026-12-03; n"
     assert headline.about({"versions": versions}) == "gpu GPU; torch 2"
+    with pytest.raises(ValueError, match="different versions"):
+        headline.about(runs[0], {"versions": {**versions, "torch": "3"}})
