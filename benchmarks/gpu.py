@@ -114,8 +114,8 @@ def versions() -> dict:
     return out
 
 
-def run_shape(shape: Shape, methods: dict, repeats: int, progress) -> list[dict]:
-    x = make_inputs(shape)
+def run_shape(shape: Shape, methods: dict, repeats: int, progress, device="cuda") -> list[dict]:
+    x = make_inputs(shape, device=device)
     active = int(x["mask"].sum())
     rows = []
     for name, make in methods.items():
@@ -198,8 +198,9 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         for r in (r for r in rows if r["shape"] == shape):
             if "ms" in r:
                 pool = f" + graph pool {r['graph_pool_gib']:.2f}" if "graph_pool_gib" in r else ""
-                lines.append(f"| {r['method']} | {r['ms']:.1f} | {ratio(r['x_floor'])} | {ratio(r['x_trl'])} | "
-                             f"{r['peak_gib']:.2f}{pool} |")  # fmt: skip
+                peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}{pool}"
+                ratios = f"{ratio(r['x_floor'])} | {ratio(r['x_trl'])}"
+                lines.append(f"| {r['method']} | {r['ms']:.1f} | {ratios} | {peak} |")
             else:
                 lines.append(f"| {r['method']} | {r['status']} | | | |")
         lines.append("")

@@ -1,17 +1,21 @@
-"""GPU timing shared by the benchmarks: median CUDA-event time of a call, and its peak memory."""
+"""GPU timing shared by the benchmarks: median CUDA-event time of a call, and its peak memory (on a CPU, a dry
+run of a benchmark's plumbing: the wall-clock median and no peak)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
 
-def measure(run, x: dict, repeats: int, warmup: int = 3) -> tuple[float, float]:
+def measure(run, x: dict, repeats: int, warmup: int = 3) -> tuple[float, float | None]:
     """(median ms, peak GiB above the memory in use before the call); `x["weight"].grad` cleared between calls."""
     for _ in range(warmup):
         run()
         x["weight"].grad = None
+    if not x["weight"].is_cuda:
+        return wall_median_ms(run, repeats, after=lambda: setattr(x["weight"], "grad", None)), None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -29,5 +33,15 @@ def median_ms(fn, repeats: int, after=lambda: None) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+        after()
+    return statistics.median(times)
+
+
+def wall_median_ms(fn, repeats: int, after=lambda: None) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
         after()
     return statistics.median(times)

@@ -52,6 +52,23 @@ def test_the_headline_names_exist():
     assert set(gpu.HEADLINE_SHAPES) <= set(gpu.SHAPES)
 
 
+def test_a_shape_runs_end_to_end_on_a_cpu(tmp_path, monkeypatch):
+    """run_shape -> ratios -> gpu.md, gpu.json and the picture, on a CPU (wall-clock times, no peaks): every
+    method is a row, with its time or its reason, and the progress callback sees each one."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    names = ("floor: three lm_head GEMMs", "plain loss under torch.compile, no entropy", "TRL 1.16 fused head + loss",
+             "verl 0.9.1 Triton head + loss", "compiled_grpo auto, compiled, captured")  # fmt: skip
+    seen = []
+    rows = gpu.run_shape(TINY, {n: gpu_methods.METHODS[n] for n in names}, 2, seen.append, device="cpu")
+    assert [r["method"] for r in rows] == [r["method"] for r in seen] == list(names)
+    assert [("ms" in r) for r in rows] == [True, True, True, False, True]  # capture runs uncaptured on a CPU
+    assert rows[0]["x_floor"] == 1.0 and rows[2]["x_trl"] == 1.0 and all("seconds" in r for r in rows)
+    gpu.write_run(rows, {"gpu": "CPU", "torch": torch.__version__, "repeats": 2}, tmp_path)
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| verl 0.9.1 Triton head + loss | skipped: verl's Triton head runs on a GPU | | | |" in table
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
 def stored_run(path, shape, versions, methods=("floor: three lm_head GEMMs", "TRL 1.16 fused head + loss")):
     rows = [{"shape": shape, "method": m, "tokens": 8192, "ms": 10.0 + i, "peak_gib": 1.0, "status": "ok"}
             for i, m in enumerate(methods)]  # fmt: skip
