@@ -60,7 +60,7 @@ def head_then_loss(head, shape, x):
 
 def full_logits(shape, x):
     def logp_entropy(hidden, weight):
-        logits = (hidden @ weight.T).float()
+        logits = (hidden.to(weight.dtype) @ weight.T).float()
         log_p = torch.log_softmax(logits, -1)
         logp = log_p.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1)
         return logp, -(log_p.exp() * log_p).sum(-1)
