@@ -164,3 +164,18 @@ def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert {r["method"] for r in rows} == {trl_step.BOUND, "grpo", "skip-all"}
         assert all(r["shape"] == shape and r["ms"] > 0 for r in rows)
+
+
+def test_trl_step_headline_takes_its_batches_and_trainers_unless_given(monkeypatch):
+    from benchmarks import trl_step
+
+    seen = []
+    monkeypatch.setattr(trl_step, "sweep", seen.append)
+    trl_step.main(["--model", "tiny", "--headline"])
+    trl_step.main(["--model", "tiny", "--headline", "--trainers", "grpo"])
+    trl_step.main(["--model", "tiny"])
+    assert [(a.batches, a.sizes, a.trainers) for a in seen] == [
+        (trl_step.HEADLINE["batches"], "8", trl_step.HEADLINE["trainers"]),
+        (trl_step.HEADLINE["batches"], "8", "grpo"),
+        (",".join(trl_step.BATCHES), "8,16", trl_step.DEFAULT_TRAINERS),
+    ]
