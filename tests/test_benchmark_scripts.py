@@ -110,19 +110,21 @@ def test_user_benchmarks_import_only_public_names(name):
 
 def test_split_product_study_runs_and_three_bf16_terms_reach_float32(tmp_path):
     """The fp32-head study on the CPU (errors only): three bf16 terms of an fp32 operand give its products within
-    twice float32's rms error, two terms (16 bits of the mantissa) within 64 times it, the bf16 head (8 bits) at
-    least 100 times worse than two terms."""
+    twice float32's rms error (cut into reduction chunks too), two terms (16 bits of the mantissa) within 64 times
+    it, the bf16 head (8 bits) at least 100 times worse than two terms."""
     import json
 
     from benchmarks.diagnostics import split_product
 
-    split_product.main(["--hidden", "64", "--tokens", "64", "--vocab", "1000", "--out", str(tmp_path)])
+    split_product.main(["--hidden", "64", "--tokens", "64", "--vocab", "1000", "--k-chunks", "16", "--out",
+                        str(tmp_path)])  # fmt: skip
     rows = json.loads((tmp_path / "split-product.json").read_text())["rows"]
     rms = {(r["product"], r["method"]): r["rms_error"] for r in rows}
     for name in ("logits", "dX", "dW"):
         fp32 = rms[name, "fp32"]
         assert rms[name, "split3"] <= 2 * fp32 and rms[name, "split2"] <= 64 * fp32, name
         assert rms[name, "bf16"] >= 100 * rms[name, "split2"], name
+        assert rms[name, "split3/k16"] <= 2 * fp32 and rms[name, "fp32/k16"] <= 2 * fp32, name
     assert "| split3 |" in (tmp_path / "split-product.md").read_text()
 
 

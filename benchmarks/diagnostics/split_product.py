@@ -11,13 +11,16 @@ head's three products, each with float32 accumulation:
 Methods: `fp32` (one fp32 GEMM, TF32 off: TRL's flag today), `tf32`, `bf16` (W and G rounded to bf16: the head
 without the flag), `split2` and `split3` (one GEMM per pair of terms, the float32 outputs summed) and `concat2`,
 `concat3` (the same pairs as one GEMM over the terms concatenated along the reduction dimension, K = 2H or 3H, so
-the pairs are summed inside one float32 accumulator). Errors against the float64 product of the same operands: max
+the pairs are summed inside one float32 accumulator); with `--k-chunks 512,...`, `split3/k512` and `fp32/k512`: the
+reduction dimension cut into chunks of that many, each chunk's product by that method and the chunks' float32
+outputs summed (round-to-nearest adds outside the GEMM: what a tensor core's own accumulation over a long K loses,
+if anything, the chunked sum does not). Errors against the float64 product of the same operands: max
 and rms of the difference, relative to the product's rms. Times: CUDA events, median of `--repeats`, of the GEMMs alone
 (the fixed operand's split, made once per step in a head, is not timed; on a CPU the 16-bit GEMMs run in float32,
 so only the errors mean anything there).
 
     python -m benchmarks.diagnostics.split_product [--hidden 896,3584,4096] [--tokens 8192] [--vocab 151936]
-        [--repeats 10] [--out benchmark-results]
+        [--k-chunks 256,1024] [--repeats 10] [--out benchmark-results]
 
 Writes split-product.json and split-product.md (one table per hidden size) to `--out`.
 """
@@ -84,9 +87,25 @@ def tf32_mm(a: torch.Tensor, b: torch.Tensor, allow: bool) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def k_chunked(method: str, a: torch.Tensor, b: torch.Tensor, a_exact: bool, chunk: int):
+    """A function computing a @ b as the float32 sum of the products of K-chunks of `chunk`, each by `method`."""
+    runs = [gemms(method, a[:, k : k + chunk], b[k : k + chunk], a_exact) for k in range(0, a.shape[1], chunk)]
+
+    def run():
+        out = runs[0]()
+        for part in runs[1:]:
+            out += part()
+        return out
+
+    return run
+
+
 def gemms(method: str, a: torch.Tensor, b: torch.Tensor, a_exact: bool):
     """A function computing a @ b by `method`, its operands prepared here (a_exact: a holds bf16 values, as the
     hidden states do): what a head would hold before its tile loop is not timed."""
+    if "/k" in method:
+        inner, _, chunk = method.partition("/k")
+        return k_chunked(inner, a, b, a_exact, int(chunk))
     if method in ("fp32", "tf32"):
         a32, b32 = a.float(), b.float()
         return lambda: tf32_mm(a32, b32, method == "tf32")
@@ -124,7 +143,7 @@ def operands(tokens: int, vocab: int, hidden: int, device) -> dict:
     return {"x": x, "w": w, "g": grad}
 
 
-def measure(tokens: int, vocab: int, hidden: int, repeats: int, device) -> list[dict]:
+def measure(tokens: int, vocab: int, hidden: int, repeats: int, device, methods=METHODS) -> list[dict]:
     """One row per product and method: errors against float64, and the time on a GPU."""
     ops = operands(tokens, vocab, hidden, device)
     products = {  # name: (left, right, left exact in bf16)
@@ -135,7 +154,7 @@ def measure(tokens: int, vocab: int, hidden: int, repeats: int, device) -> list[
     rows = []
     for name, (a, b, exact_a) in products.items():
         exact = a.double() @ b.double()
-        for method in METHODS:
+        for method in methods:
             run = gemms(method, a, b, exact_a)
             got = run()
             worst, rms = errors(got, exact)
@@ -155,7 +174,7 @@ def table(rows: list[dict]) -> str:
         lines += [f"### H{hidden}, {mine[0]['tokens']} tokens, V{mine[0]['vocab']}", "",
                   "| method | " + " | ".join(f"{p} max / rms error, ms" for p in ("logits", "dX", "dW")) + " |",
                   "|---|---|---|---|"]  # fmt: skip
-        for method in METHODS:
+        for method in dict.fromkeys(r["method"] for r in mine):
             cells = []
             for name in ("logits", "dX", "dW"):
                 r = next(r for r in mine if r["product"] == name and r["method"] == method)
@@ -171,12 +190,15 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", default="896,3584,4096")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--k-chunks", default="", help="reduction-chunk sizes for the chunked split3 and fp32 methods")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="benchmark-results")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    chunks = [int(k) for k in args.k_chunks.split(",") if k]
+    methods = (*METHODS, *(f"{m}/k{k}" for k in chunks for m in ("split3", "fp32")))
     rows = [r for h in map(int, args.hidden.split(",")) for r in measure(args.tokens, args.vocab, h, args.repeats,
-                                                                          device)]  # fmt: skip
+                                                                          device, methods)]  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (errors only)"
