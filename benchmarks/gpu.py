@@ -287,8 +287,10 @@ def main(argv=None):
     print(json.dumps(info), flush=True)
     per_shape = {s: fp32_methods if SHAPES[s].fp32_head else methods for s in shapes}
     progress = printed_progress(sum(len(m) for m in per_shape.values()))
-    rows = [r for s in shapes for r in run_shape(SHAPES[s], per_shape[s], args.repeats, progress)]
-    write_run(rows, info, Path(args.out))
+    rows = []
+    for s in shapes:  # written after every shape: an interrupted run keeps what it measured
+        rows += run_shape(SHAPES[s], per_shape[s], args.repeats, progress)
+        write_run(rows, info, Path(args.out))
 
 
 if __name__ == "__main__":
