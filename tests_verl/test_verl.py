@@ -122,6 +122,7 @@ def test_zero_gradient_positions_are_skipped(monkeypatch):
 
     counts = []
     original = sparse_gradients.gradients_of_rows
+
     def counted(e, x, h, selected, *rest):
         counts.append(selected.numel())
         return original(e, x, h, selected, *rest)
