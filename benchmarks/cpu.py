@@ -175,7 +175,8 @@ def main(argv=None):
             "trl": md.version("trl") if "TRL 1.16 CPU path + loss" in results else "not installed"}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu.json").write_text(json.dumps({"versions": info, "rows": rows}, indent=1))
+    run = {"versions": info, "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
+    (out / "cpu.json").write_text(json.dumps(run, indent=1))
     title = plots.run_title(f"{info['cpu']}, fp32, B=4 T=256 H=512 V=32000, torch {torch.__version__}", rows)
     plots.draw(rows, out / "cpu.png", title)
     lines = markdown(results, scenarios, args.repeats, info)
