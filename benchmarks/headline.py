@@ -73,13 +73,40 @@ def grid(rows: list[dict], names: dict, corner: str) -> list[str]:
     return lines
 
 
+def grid_table(root: Path, run_file: str, title: str, names: dict | None, corner: str, link: str) -> list[str]:
+    """One stored run as a grid (methods in `names`, or every method of the run, by shape) under its caption."""
+    run = load(root / run_file)
+    names = names or {m: m for m in dict.fromkeys(r["method"] for r in run["rows"])}
+    page = run_file.removesuffix(".json") + ".md"
+    caption = f"{title}; {about(run)}; [{link}]({page})):"
+    return [caption, "", *grid(run["rows"], names, corner)]
+
+
 def head_table(root: Path) -> list[str]:
-    run = load(root / "docs/benchmarks/gpu.json")
-    caption = (
-        "**The fused head and the loss** (forward + backward, ms (peak GiB); bf16, dapo; "
-        f"{about(run)}; [every row and the reasons for `-`](docs/benchmarks/gpu.md)):"
-    )
-    return [caption, "", *grid(run["rows"], {m: m for m in HEADLINE}, "method")]
+    title = "**The fused head and the loss** (forward + backward, ms (peak GiB); bf16, dapo"
+    return grid_table(root, "docs/benchmarks/gpu.json", title, {m: m for m in HEADLINE}, "method",
+                      "every row and the reasons for `-`")  # fmt: skip
+
+
+def fp32_table(root: Path) -> list[str]:
+    title = ("**The fp32 head** (`cast_lm_head_to_fp32`: a float32 lm_head against bf16 hidden states, 8192 tokens; "
+             "ms (peak GiB)")  # fmt: skip
+    return grid_table(root, "docs/benchmarks/fp32-head/gpu.json", title, FP32_METHODS, "method", "the run")
+
+
+def verl_table(root: Path) -> list[str]:
+    title = ("**verl's fused head** (`use_fused_kernels`; 16 sequences of 1024 tokens, a third prompt, half the "
+             "groups at advantage 0, and a dense batch; ms (peak GiB)")  # fmt: skip
+    return grid_table(root, "docs/benchmarks/verl/verl.json", title, None, "head", "the run")
+
+
+def speedup_cell(mine: dict, name: str, base: str) -> str:
+    """`ms (peak GiB)` of `name`'s row, with its speed-up over `base`'s row of the same shape."""
+    row, against = mine.get(name), mine.get(base, {})
+    text = timed(row)
+    if name != base and text != "-" and "ms" in against:
+        text += f", {against['ms'] / row['ms']:.2f}x"
+    return text
 
 
 def step_table(root: Path) -> list[str]:
@@ -96,37 +123,8 @@ def step_table(root: Path) -> list[str]:
              "|---|" + "---|" * len(present)]  # fmt: skip
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = {r["method"]: r for r in rows if r["shape"] == shape}
-        cells = [step_cell(mine, t) for t in present]
-        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in present) + " |")
     return lines
-
-
-def step_cell(mine: dict, trainer: str) -> str:
-    row, grpo = mine.get(trainer), mine.get("grpo", {})
-    text = timed(row)
-    if trainer != "grpo" and text != "-" and "ms" in grpo:
-        text += f", {grpo['ms'] / row['ms']:.2f}x"
-    return text
-
-
-def fp32_table(root: Path) -> list[str]:
-    run = load(root / "docs/benchmarks/fp32-head/gpu.json")
-    caption = (
-        "**The fp32 head** (`cast_lm_head_to_fp32`: a float32 lm_head against bf16 hidden states, 8192 tokens; "
-        f"ms (peak GiB); {about(run)}; [the run](docs/benchmarks/fp32-head/gpu.md)):"
-    )
-    return [caption, "", *grid(run["rows"], FP32_METHODS, "method")]
-
-
-def verl_table(root: Path) -> list[str]:
-    run = load(root / "docs/benchmarks/verl/verl.json")
-    methods = {m: m for m in dict.fromkeys(r["method"] for r in run["rows"])}
-    caption = (
-        "**verl's fused head** (`use_fused_kernels`; 16 sequences of 1024 tokens, a third prompt, half the groups at "
-        f"advantage 0, and a dense batch; ms (peak GiB); {about(run)}; "
-        "[the run](docs/benchmarks/verl/verl.md)):"
-    )
-    return [caption, "", *grid(run["rows"], methods, "head")]
 
 
 def sft_table(root: Path) -> list[str]:
@@ -140,10 +138,7 @@ def sft_table(root: Path) -> list[str]:
     lines = [caption, "", "| model, batch | TRL's fused head | compiled_fused_head() |", "|---|---|---|"]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = {r["method"]: r for r in rows if r["shape"] == shape}
-        ours = timed(mine.get("compiled"))
-        if ours != "-" and "ms" in mine.get("trl", {}):
-            ours += f", {mine['trl']['ms'] / mine['compiled']['ms']:.2f}x"
-        lines.append(f"| {shape} | {timed(mine.get('trl'))} | {ours} |")
+        lines.append(f"| {shape} | {timed(mine.get('trl'))} | {speedup_cell(mine, 'compiled', 'trl')} |")
     return lines
 
 

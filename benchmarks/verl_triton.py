@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata as md
 import sys
 import tempfile
 import zipfile
@@ -59,8 +60,6 @@ def load(wheel: Path = WHEEL):
 def version(wheel: Path = WHEEL) -> str:
     """The verl the heads come from: the installed one, else the wheel's file name."""
     try:
-        import importlib.metadata as md
-
         return md.version("verl")
-    except Exception:  # noqa: BLE001 - not installed: the wheel, if any
+    except md.PackageNotFoundError:  # not installed: the wheel, if any
         return f"{wheel.name} (kernel files)" if wheel.exists() else "not installed"
