@@ -25,10 +25,10 @@ import trl
 from trl import GRPOTrainer
 
 from .. import logprobs
-from ..loss import FusedLinearGRPOLoss
+from ..loss import FusedLinearGRPOLoss, GRPOLossOutput
 from ..schedules import sparse
 from ..tiling import Tiles
-from . import regroup, trl_entropy, zero_advantage
+from . import regroup, sharded_head, trl_entropy, zero_advantage
 from .trl_head import (  # noqa: F401 (public names of this module)
     CapturedFusedHeadFunction,
     EagerFusedHeadFunction,
@@ -167,8 +167,10 @@ class CompiledGRPOTrainer(GRPOTrainer):
                  skip_zero_advantage="auto", **kwargs):  # fmt: skip
         zero_advantage.check_mode(skip_zero_advantage)
         super().__init__(*args, **kwargs)
-        weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
-        options = {"capture": captures_by_default(weight), **(loss_options or {})}
+        weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
+        # an engine that shards the lm_head gathers it to a new address each call: graphs keyed on it would not serve
+        self.shards_parameters = sharded_head.trainer_shards_parameters(self)
+        options = {"capture": captures_by_default(weight) and not self.shards_parameters, **(loss_options or {})}
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
         if "logits_budget_bytes" not in options:
             self.fused_loss.logits_budget_bytes = trainer_budget(self.fused_loss, weight, self.accelerator.device)
@@ -241,20 +243,14 @@ class CompiledGRPOTrainer(GRPOTrainer):
             trl_entropy.update_entropy_controller(self, out, mask, mode)
         return loss
 
-    def _fused_loss(self, hidden, lm_head, mask, inputs, mode):
-        """The fused loss of this micro-batch; in eval mode without gradient accumulation (as TRL)."""
-        weight, bias, completion_ids = lm_head.weight, lm_head.bias, inputs["completion_ids"]
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
-        # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
-        autocast_off = torch.autocast(hidden.device.type, enabled=False) if self.args.cast_lm_head_to_fp32 else None
-        if autocast_off is not None and hidden.dtype not in (torch.bfloat16, torch.float16):
-            hidden = hidden.float()  # as TRL casts them (a float64 model's)
+    def _fused_loss(self, hidden, lm_head, mask, inputs, mode) -> GRPOLossOutput:
+        """The fused loss of this micro-batch (in eval mode without gradient accumulation, as TRL), run inside a call
+        of the lm_head so that an engine that shards its weight gathers it (`sharded_head.within_head`)."""
         args = self.args
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         ratio = inputs.get("importance_sampling_ratio")
         use_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or args.loss_type == "vespo"
         call = {
-            "bias": bias,
             "old_per_token_logps": inputs.get("old_per_token_logps"),
             "ref_per_token_logps": inputs.get("ref_per_token_logps") if args.beta != 0.0 else None,
             "importance_sampling_ratio": ratio if use_ratio else None,
@@ -265,13 +261,24 @@ class CompiledGRPOTrainer(GRPOTrainer):
             "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
             "entropy_coef": trl_entropy.entropy_coef_to_apply(self, hidden.device),
         }
-        if autocast_off is None:
-            return self.fused_loss(hidden, weight, completion_ids, mask, inputs["advantages"], **call)
-        with autocast_off:
+        completion_ids, advantages = inputs["completion_ids"], inputs["advantages"]
+
+        def compute(weight, bias, hidden):
+            out = self._loss_on_head(hidden, weight, bias, completion_ids, mask, advantages, call)
+            return out.loss, out.metrics, out.per_token_logps, out.entropy, out.entropy_mask, out.schedule
+
+        return GRPOLossOutput(*sharded_head.within_head(lm_head, compute, hidden))
+
+    def _loss_on_head(self, hidden, weight, bias, completion_ids, mask, advantages, call: dict) -> GRPOLossOutput:
+        if not self.args.cast_lm_head_to_fp32:
+            return self.fused_loss(hidden, weight, completion_ids, mask, advantages, bias=bias, **call)
+        # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
+        # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
+        if hidden.dtype not in (torch.bfloat16, torch.float16):
+            hidden = hidden.float()  # as TRL casts them (a float64 model's)
+        with torch.autocast(hidden.device.type, enabled=False):
             bias = None if bias is None else bias.float()
-            return self.fused_loss(
-                hidden, weight.float(), completion_ids, mask, inputs["advantages"], **{**call, "bias": bias}
-            )
+            return self.fused_loss(hidden, weight.float(), completion_ids, mask, advantages, bias=bias, **call)
 
 
 def widened_hidden_dtype(trainer) -> torch.dtype | None:

@@ -132,7 +132,9 @@ def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
     zero, counts = inputs[ZERO_ROWS] if ZERO_ROWS in inputs else zero_rows(trainer, [inputs])[0]
     if int(counts[:, 0].sum()) == 0:
         return None
-    alone = trainer.accelerator.num_processes == 1
+    # one process whose parameters are its own: a micro-batch with nothing to train may skip the model (an engine
+    # that shards parameters must see them in a forward and a backward, as other ranks must keep step)
+    alone = trainer.accelerator.num_processes == 1 and not getattr(trainer, "shards_parameters", False)
     rows = torch.arange(zero.numel())
     trained, untrained = rows[~zero], rows[zero]
     any_gradient = bool((counts[:, 0] < counts[:, 1]).any())
