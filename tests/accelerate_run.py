@@ -49,7 +49,7 @@ def record_zero_rows(name: str, out: Path) -> list:
     seen, plan_rows = [], zero_advantage.plan_rows
 
     def recording(trainer, inputs, forward_untrained):
-        zero, _ = inputs[zero_advantage.ZERO_ROWS]
+        zero = inputs[zero_advantage.ZERO_ROWS].zero
         seen.append([int(zero.sum()), zero.numel()])
         return plan_rows(trainer, inputs, forward_untrained)
 

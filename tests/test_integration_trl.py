@@ -50,7 +50,7 @@ def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_optio
     if settings.get("beta"):  # TRL loads its reference model from the policy's path: give it a local one
         model.save_pretrained(tmp_path / "policy")
         model.config._name_or_path = str(tmp_path / "policy")
-    extra = {"compiled": False} if cls is CompiledGRPOTrainer else {}
+    extra = {"compiled": False} if issubclass(cls, CompiledGRPOTrainer) else {}
     if peft_config is not None:
         extra["peft_config"] = peft_config
     if loss_options is not None:

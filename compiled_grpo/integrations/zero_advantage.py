@@ -98,14 +98,29 @@ def why_not(trainer, mode, hidden_size: int) -> str | None:
 ZERO_ROWS = "compiled_grpo_zero_advantage_rows"
 
 
+class ZeroRows(NamedTuple):
+    """A micro-batch's rows at advantage 0 (host bool [B]) and [ranks, 2] counts of such rows and of all rows, with
+    the advantages tensor they were read from and its version counter then: a plan holds only while the micro-batch
+    still carries that tensor, unchanged (`fits`)."""
+
+    zero: torch.Tensor
+    counts: torch.Tensor
+    advantages: torch.Tensor
+    version: int
+
+    def fits(self, advantages: torch.Tensor) -> bool:
+        """Whether these rows were read from `advantages` as it is now (not replaced, not changed in place)."""
+        return advantages is self.advantages and advantages._version == self.version
+
+
 def is_zero(advantages: torch.Tensor) -> torch.Tensor:
     """Which rows are at advantage 0: advantages [B], or [B, T] equal along T as TRL gives them."""
     return (advantages if advantages.dim() == 1 else advantages.abs().amax(-1)) == 0
 
 
-def zero_rows(trainer, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each micro-batch, (this rank's rows at advantage 0, [ranks, 2] counts of such rows and of rows on every
-    rank), read back in one wait (and one gather across ranks, which every rank must reach)."""
+def zero_rows(trainer, micro_batches: list[dict]) -> list[ZeroRows]:
+    """For each micro-batch, its `ZeroRows` (this rank's rows at advantage 0, [ranks, 2] counts of such rows and of
+    rows on every rank), read back in one wait (and one gather across ranks, which every rank must reach)."""
     zeros = [is_zero(batch["advantages"]) for batch in micro_batches]
     counts = torch.stack([torch.stack([z.sum(), torch.tensor(z.numel(), device=z.device)]) for z in zeros])
     if trainer.accelerator.num_processes > 1:  # every rank must take the same branches below
@@ -115,7 +130,8 @@ def zero_rows(trainer, micro_batches: list[dict]) -> list[tuple[torch.Tensor, to
     host = torch.cat([torch.cat(zeros).long(), counts.reshape(-1)]).cpu()
     split = sum(z.numel() for z in zeros)
     masks = host[:split].bool().split([z.numel() for z in zeros])
-    return list(zip(masks, host[split:].reshape(counts.shape), strict=True))
+    read = [(b["advantages"], b["advantages"]._version) for b in micro_batches]
+    return [ZeroRows(m, c, *r) for m, c, r in zip(masks, host[split:].reshape(counts.shape), read, strict=True)]
 
 
 def annotate(trainer, micro_batches: list[dict]) -> None:
@@ -129,7 +145,7 @@ def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
     rank has a sequence at advantage 0. On several processes a rank always runs one forward with grad (one row,
     its loss 0, when it has nothing to train: the backward's gradient reduction must run on every rank) and, if
     untrained rows run a forward, one without (a stand-in row when it has none)."""
-    zero, counts = inputs[ZERO_ROWS] if ZERO_ROWS in inputs else zero_rows(trainer, [inputs])[0]
+    zero, counts, _, _ = planned_zero_rows(trainer, inputs)
     if int(counts[:, 0].sum()) == 0:
         return None
     # one process whose parameters are its own: a micro-batch with nothing to train may skip the model (an engine
@@ -151,6 +167,17 @@ def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
     sliced = not forward_untrained
     skipped_forward = 0.0 if forward_untrained else share
     return RowPlan(trained.to(device), kept, stand_in, trained_stand_in, sliced, any_gradient, share, skipped_forward)
+
+
+def planned_zero_rows(trainer, inputs: dict) -> ZeroRows:
+    """The micro-batch's rows at advantage 0 as its generation batch found them, or read again where its advantages
+    are no longer the tensor they were read from (a subclass that reshapes advantages after `_prepare_inputs`):
+    a plan made from other advantages would run rows that now have a gradient without grad. Every rank must
+    change its advantages alike (the read-back gathers across ranks)."""
+    planned = inputs.get(ZERO_ROWS)
+    if planned is not None and planned.fits(inputs["advantages"]):
+        return planned
+    return zero_rows(trainer, [inputs])[0]
 
 
 def rows_of(model_inputs: dict, rows: torch.Tensor) -> dict:
