@@ -16,7 +16,11 @@ often and needs the backward's gather made by hand.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from ..loss import GRPOLossOutput
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
@@ -68,3 +72,14 @@ def trainer_shards_parameters(trainer) -> bool:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     zero3 = getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3
     return bool(zero3 or getattr(trainer, "is_fsdp_enabled", False))
+
+
+def loss_within_head(lm_head: torch.nn.Module, compute, hidden: torch.Tensor) -> GRPOLossOutput:
+    """`compute(weight, bias, hidden)`, a fused loss's `GRPOLossOutput`, run by `within_head` (its fields travel as a
+    tuple, whose loss tensor the engines' backward hooks find)."""
+
+    def as_fields(weight, bias, hidden):
+        out = compute(weight, bias, hidden)
+        return tuple(getattr(out, f.name) for f in dataclasses.fields(out))
+
+    return GRPOLossOutput(*within_head(lm_head, as_fields, hidden))

@@ -264,10 +264,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
         completion_ids, advantages = inputs["completion_ids"], inputs["advantages"]
 
         def compute(weight, bias, hidden):
-            out = self._loss_on_head(hidden, weight, bias, completion_ids, mask, advantages, call)
-            return out.loss, out.metrics, out.per_token_logps, out.entropy, out.entropy_mask, out.schedule
+            return self._loss_on_head(hidden, weight, bias, completion_ids, mask, advantages, call)
 
-        return GRPOLossOutput(*sharded_head.within_head(lm_head, compute, hidden))
+        return sharded_head.loss_within_head(lm_head, compute, hidden)
 
     def _loss_on_head(self, hidden, weight, bias, completion_ids, mask, advantages, call: dict) -> GRPOLossOutput:
         if not self.args.cast_lm_head_to_fp32:

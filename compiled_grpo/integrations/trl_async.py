@@ -25,7 +25,7 @@ import torch
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..loss import FusedLinearGRPOLoss
-from . import async_zero_advantage, zero_advantage
+from . import async_zero_advantage, sharded_head, zero_advantage
 from .trl import head_scaling, hidden_states_at_head, read_back
 
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
@@ -81,7 +81,9 @@ class CompiledAsyncGRPOTrainer(AsyncGRPOTrainer):
         zero_advantage.check_mode(skip_zero_advantage)
         super().__init__(*args, **kwargs)
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **async_loss_settings(self))
-        hidden_size = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight.shape[1]
+        weight = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
+        hidden_size = sharded_head.full_shape(weight)[1]
+        self.shards_parameters = sharded_head.trainer_shards_parameters(self)
         self.skip_zero_advantage = skip_zero_advantage
         self.skip_reason = async_zero_advantage.reason_not_to_split(self, skip_zero_advantage, hidden_size)
 
@@ -109,13 +111,14 @@ def packed_row_loss(trainer, model, inputs: dict) -> torch.Tensor:
     world = trainer.accelerator.num_processes
     trained = inputs["global_n_tokens"][0]
     sequences = int(terms.segment_id.max()) + 1 if terms.segment_id.numel() else 0
-    out = trainer.fused_loss(
+    # inside a call of the lm_head, so that an engine that shards it gathers its weight (`sharded_head`)
+    compute = lambda weight, bias, hidden: trainer.fused_loss(  # noqa: E731
         hidden,
-        lm_head.weight,
+        weight,
         terms.targets,
         mask,
         terms.advantages,
-        bias=lm_head.bias,
+        bias=bias,
         old_per_token_logps=terms.old_logps,
         segment_ids=terms.segment_id,
         num_sequences=sequences,
@@ -126,6 +129,7 @@ def packed_row_loss(trainer, model, inputs: dict) -> torch.Tensor:
         gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
         steps_per_generation=1,
     )
+    out = sharded_head.loss_within_head(lm_head, compute, hidden)
     trainer._last_forward_time_s = time.time() - forward_start
     loss = out.loss
     if trainer.aux_loss_enabled:

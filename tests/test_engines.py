@@ -1,0 +1,222 @@
+"""CompiledGRPOTrainer, the TRL head swap and the async trainer's loss under the engines users scale on.
+
+DeepSpeed ZeRO-2 and ZeRO-3 run here on the CPU (gloo), launched by `accelerate launch` as users launch them: one
+process, and two with one rank's micro-batches wholly at advantage 0 in turn and completions of other lengths per
+rank. Each CompiledGRPOTrainer mode (default, both skip modes, the memory schedule, `cast_lm_head_to_fp32`, tied
+embeddings) trains 3 optimizer steps with the loss, gradient norm and entropy of GRPOTrainer under the same
+configuration (relative 1e-5; "all" logs the entropy of the sequences with a gradient only), and the head swap
+(`compiled_fused_head` under TRL's fused forward, as SFT runs it) and CompiledAsyncGRPOTrainer's loss give every
+parameter the gradient of the same model without the engine. ZeRO-3 shards every parameter here (persistence
+threshold 0), the lm_head included.
+
+FSDP2's `fully_shard` runs on a gloo CPU mesh with torch's own API: the fused loss on an lm_head sharded in a unit
+of its own, over 2 processes, gives the gradients of one process on the whole batch; the weight read after the
+model's forward (a DTensor gathered outside the unit's hooks) does not.
+
+With CUDA (`python -m pytest tests/test_engines.py` on a GPU machine), the same trainers run compiled on the GPU
+under ZeRO-2, ZeRO-3 and FSDP2 (reshard after forward on and off, the lm_head in the root unit and in one of its
+own), one process each, TF32 off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_distributed import init, spawn
+
+from compiled_grpo import FusedLinearGRPOLoss
+from compiled_grpo.integrations.sharded_head import within_head
+
+HERE = Path(__file__).parent
+LOGGED = ("loss", "grad_norm", "entropy")
+# each CompiledGRPOTrainer run and the GRPOTrainer run it is held to (tests/engine_run.py)
+REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo",
+             "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
+
+ZERO = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto"}  # fmt: skip
+
+
+def deepspeed_config(tmp_path: Path, stage: int, world: int, gpu: bool) -> Path:
+    zero = {"stage": stage}
+    if stage == 3:  # every parameter partitioned, however small (DeepSpeed keeps small ones whole by default)
+        zero["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "deepspeed.json").write_text(json.dumps({**ZERO, "zero_optimization": zero}))
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(f"""compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {tmp_path / "deepspeed.json"}
+  zero3_init_flag: false
+num_processes: {world}
+num_machines: 1
+machine_rank: 0
+use_cpu: {str(not gpu).lower()}
+""")
+    return config
+
+
+def fsdp2_config(tmp_path: Path, reshard: bool, own_unit: bool) -> Path:
+    """FSDP2, one GPU: the lm_head in the root unit (no wrap below it) or in a unit of its own (every module of
+    at least 500 parameters wrapped, the tiny models' lm_heads among them)."""
+    wrap = "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 500\n" if own_unit else (
+        "  fsdp_auto_wrap_policy: NO_WRAP\n")  # fmt: skip
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(f"""compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+{wrap}  fsdp_reshard_after_forward: {str(reshard).lower()}
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+num_processes: 1
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+""")
+    return config
+
+
+def launch(config: Path, out: Path, part: str) -> None:
+    out.mkdir(exist_ok=True)
+    paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "NVIDIA_TF32_OVERRIDE": "0"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               str(HERE / "engine_run.py"), str(out), part]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+def check_trainers(out: Path, engine: str, world: int) -> None:
+    runs = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json") if p.stem != "heads"}
+    assert {runs[n]["engine"] for n in runs} == {engine} and {runs[n]["ranks"] for n in runs} == {world}
+    for name, reference in REFERENCE.items():
+        ours, theirs = runs[name]["steps"], runs[reference]["steps"]
+        assert len(ours) == len(theirs) == 3, name
+        assert any(s["grad_norm"] > 0 for s in theirs), "no step with a gradient: nothing compared"
+        logged = LOGGED[:2] if name == "skip-all" else LOGGED
+        for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            for key in logged:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"{name} step {step} {key}"
+
+
+def check_heads(out: Path, engine: str) -> None:
+    heads = json.loads((out / "heads.json").read_text())
+    assert heads["engine"] == engine
+    for name in ("sft", "async"):
+        assert heads[name]["missing"] == [], name
+        assert heads[name]["max_relative_error"] <= 1e-5, (name, heads[name])
+
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the [test] extra installs it)")
+
+ZERO_CASES = [(2, 1), (3, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("stage, world", ZERO_CASES, ids=[f"zero{s}-{w}proc" for s, w in ZERO_CASES])
+def test_deepspeed_zero_on_cpu(tmp_path, stage, world):
+    config = deepspeed_config(tmp_path, stage, world, gpu=False)
+    launch(config, tmp_path / "out", "trainers")
+    check_trainers(tmp_path / "out", f"zero{stage}", world)
+    if stage == 3:  # ZeRO-2 keeps every parameter whole: the heads read it as without an engine
+        launch(config, tmp_path / "out", "heads")
+        check_heads(tmp_path / "out", "zero3")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU engine runs need CUDA (run on a GPU)")
+GPU_CASES = {"zero2": ("zero", 2), "zero3": ("zero", 3), "fsdp2-root-reshard": ("fsdp", True, False),
+             "fsdp2-root-keep": ("fsdp", False, False), "fsdp2-own-unit-reshard": ("fsdp", True, True),
+             "fsdp2-own-unit-keep": ("fsdp", False, True)}  # fmt: skip
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_engines_on_one_gpu(tmp_path, case):
+    kind, *options = GPU_CASES[case]
+    if kind == "zero":
+        config, engine = deepspeed_config(tmp_path, options[0], 1, gpu=True), f"zero{options[0]}"
+    else:
+        config, engine = fsdp2_config(tmp_path, *options), "fsdp2"
+    launch(config, tmp_path / "out", "trainers")
+    check_trainers(tmp_path / "out", engine, 1)
+    if engine != "zero2":  # ZeRO-2 keeps every parameter whole: the heads read it as without an engine
+        launch(config, tmp_path / "out", "heads")
+        check_heads(tmp_path / "out", engine)
+
+
+B, T, H, V = 3, 7, 8, 37
+
+
+class Backbone(torch.nn.Module):
+    """A body and an lm_head that its forward calls for the last position only, as CompiledGRPOTrainer runs a model."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(H, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, x):
+        hidden = self.body(x)
+        self.lm_head(hidden[:, -1:])
+        return hidden
+
+
+def fsdp2_worker(rank, world, reshard, read_after_forward, result):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    init(rank, world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(world * B, T, H, generator=g)
+        ids = torch.randint(0, V, (world * B, T), generator=g)
+        mask = (torch.rand(world * B, T, generator=g) > 0.3).long()
+        advantages = torch.randn(world * B, generator=g)
+        loss_fn = FusedLinearGRPOLoss(compiled=False, loss_type="dapo")
+        tokens = mask.sum()
+
+        def loss_of(model, rows, processes):
+            hidden = model(x[rows])
+            call = lambda w, b, h: (loss_fn(h, w, ids[rows], mask[rows], advantages[rows], num_items_in_batch=tokens,
+                                            num_processes=processes).loss,)  # noqa: E731 fmt: skip
+            if read_after_forward:  # the weight as the model's forward left it (a DTensor shard when resharded)
+                return call(model.lm_head.weight, None, hidden)[0]
+            return within_head(model.lm_head, call, hidden)[0]
+
+        torch.manual_seed(1)
+        one = Backbone()
+        loss_of(one, slice(None), 1).backward()
+        torch.manual_seed(1)
+        sharded = Backbone()
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(sharded.lm_head, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
+        loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
+        errors = []
+        for name, param in one.named_parameters():
+            got = dict(sharded.named_parameters())[name].grad.full_tensor()
+            errors.append(float((got - param.grad).abs().max() / param.grad.abs().max()))
+        if rank == 0:
+            torch.save(max(errors), result)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_sharded_lm_head_two_ranks_match_one_process(tmp_path, reshard):
+    spawn(fsdp2_worker, 2, reshard, False, tmp_path / "error.pt")
+    assert torch.load(tmp_path / "error.pt") <= 1e-5
+
+
+def test_fsdp2_weight_read_after_the_forward_misses_the_other_ranks_gradients(tmp_path):
+    """What `within_head` prevents: read outside the lm_head unit's hooks, each rank's lm_head gradient shard is its
+    own batch's alone (FSDP2's reduce-scatter never sees it), so it is not the whole batch's."""
+    spawn(fsdp2_worker, 2, True, True, tmp_path / "error.pt")
+    assert torch.load(tmp_path / "error.pt") > 0.1
