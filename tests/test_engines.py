@@ -115,13 +115,16 @@ def check_heads(out: Path, engine: str) -> None:
         assert heads[name]["max_relative_error"] <= 1e-5, (name, heads[name])
 
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the [test] extra installs it)")
+def needs_deepspeed():
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the [test] extra installs it)")
+
 
 ZERO_CASES = [(2, 1), (3, 1), (3, 2)]
 
 
 @pytest.mark.parametrize("stage, world", ZERO_CASES, ids=[f"zero{s}-{w}proc" for s, w in ZERO_CASES])
 def test_deepspeed_zero_on_cpu(tmp_path, stage, world):
+    needs_deepspeed()
     config = deepspeed_config(tmp_path, stage, world, gpu=False)
     launch(config, tmp_path / "out", "trainers")
     check_trainers(tmp_path / "out", f"zero{stage}", world)
@@ -141,6 +144,7 @@ GPU_CASES = {"zero2": ("zero", 2), "zero3": ("zero", 3), "fsdp2-root-reshard": (
 def test_engines_on_one_gpu(tmp_path, case):
     kind, *options = GPU_CASES[case]
     if kind == "zero":
+        needs_deepspeed()
         config, engine = deepspeed_config(tmp_path, options[0], 1, gpu=True), f"zero{options[0]}"
     else:
         config, engine = fsdp2_config(tmp_path, *options), "fsdp2"
