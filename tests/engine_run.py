@@ -205,5 +205,5 @@ if __name__ == "__main__":
     if part == "heads":
         heads(folder)
     else:
-        for run_name in RUNS:
+        for run_name in sys.argv[3:] or RUNS:
             train(run_name, folder)

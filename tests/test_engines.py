@@ -63,10 +63,10 @@ use_cpu: {str(not gpu).lower()}
 
 
 def fsdp2_config(tmp_path: Path, reshard: bool, own_unit: bool) -> Path:
-    """FSDP2, one GPU: the lm_head in the root unit (no wrap below it) or in a unit of its own (every module of
-    at least 500 parameters wrapped, the tiny models' lm_heads among them)."""
-    wrap = "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 500\n" if own_unit else (
-        "  fsdp_auto_wrap_policy: NO_WRAP\n")  # fmt: skip
+    """FSDP2, one GPU: the lm_head in the root unit (no wrap below it) or in a unit of its own (every Linear
+    wrapped, the lm_head among them)."""
+    wrap = "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: Linear\n" if (
+        own_unit) else "  fsdp_auto_wrap_policy: NO_WRAP\n"  # fmt: skip
     config = tmp_path / "accelerate.yaml"
     config.write_text(f"""compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
