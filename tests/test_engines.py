@@ -31,7 +31,7 @@ import torch
 from test_distributed import init, spawn
 
 from compiled_grpo import FusedLinearGRPOLoss
-from compiled_grpo.integrations.sharded_head import within_head, within_module
+from compiled_grpo.integrations.sharded_head import within_head
 
 HERE = Path(__file__).parent
 LOGGED = ("loss", "grad_norm", "entropy")
@@ -172,7 +172,7 @@ class Backbone(torch.nn.Module):
         return hidden
 
 
-def fsdp2_worker(rank, world, reshard, own_unit, read_after_forward, result):
+def fsdp2_worker(rank, world, reshard, read_after_forward, result):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -192,8 +192,7 @@ def fsdp2_worker(rank, world, reshard, own_unit, read_after_forward, result):
                                             num_processes=processes).loss,)  # noqa: E731 fmt: skip
             if read_after_forward:  # the weight as the model's forward left it (a DTensor shard when resharded)
                 return call(model.lm_head.weight, None, hidden)[0]
-            # inside a call of the model too: its unit's backward is armed on that call's outputs
-            return within_module(model, lambda h: within_head(model.lm_head, call, h), hidden)[0]
+            return within_head(model.lm_head, call, hidden)[0]
 
         torch.manual_seed(1)
         one = Backbone()
@@ -201,8 +200,7 @@ def fsdp2_worker(rank, world, reshard, own_unit, read_after_forward, result):
         torch.manual_seed(1)
         sharded = Backbone()
         mesh = init_device_mesh("cpu", (world,))
-        if own_unit:
-            fully_shard(sharded.lm_head, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(sharded.lm_head, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
         loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
         errors = []
@@ -215,15 +213,14 @@ def fsdp2_worker(rank, world, reshard, own_unit, read_after_forward, result):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("own_unit", [True, False], ids=["own-unit", "root-unit"])
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_fsdp2_sharded_lm_head_two_ranks_match_one_process(tmp_path, reshard, own_unit):
-    spawn(fsdp2_worker, 2, reshard, own_unit, False, tmp_path / "error.pt")
+def test_fsdp2_sharded_lm_head_two_ranks_match_one_process(tmp_path, reshard):
+    spawn(fsdp2_worker, 2, reshard, False, tmp_path / "error.pt")
     assert torch.load(tmp_path / "error.pt") <= 1e-5
 
 
 def test_fsdp2_weight_read_after_the_forward_misses_the_other_ranks_gradients(tmp_path):
     """What `within_head` prevents: read outside the lm_head unit's hooks, each rank's lm_head gradient shard is its
     own batch's alone (FSDP2's reduce-scatter never sees it), so it is not the whole batch's."""
-    spawn(fsdp2_worker, 2, True, True, True, tmp_path / "error.pt")
+    spawn(fsdp2_worker, 2, True, True, tmp_path / "error.pt")
     assert torch.load(tmp_path / "error.pt") > 0.1

@@ -48,21 +48,16 @@ def within_head(lm_head: torch.nn.Module, compute, *args):
     """`compute(weight, bias, *args)` run as the forward of a call of `lm_head`, so that an engine that shards it
     gathers its weight for the call and for the backward of what the call returns. `compute` returns a tuple
     whose tensors the engine's backward hooks can find (tensors, tuples, lists, dicts of them, strings, None)."""
-    return within_module(lm_head, lambda *inner: compute(lm_head.weight, lm_head.bias, *inner), *args)
-
-
-def within_module(module: torch.nn.Module, compute, *args):
-    """`compute(*args)` run as the forward of a call of `module` (its hooks, and an engine's, run around it)."""
-    had_own = "forward" in module.__dict__
-    own = module.__dict__.get("forward")
-    module.forward = compute
+    had_own = "forward" in lm_head.__dict__
+    own = lm_head.__dict__.get("forward")
+    lm_head.forward = lambda *inner: compute(lm_head.weight, lm_head.bias, *inner)
     try:
-        return module(*args)
+        return lm_head(*args)
     finally:
         if had_own:
-            module.forward = own
+            lm_head.forward = own
         else:
-            del module.forward
+            del lm_head.forward
 
 
 def shape_only(param: torch.Tensor) -> torch.Tensor:
@@ -79,15 +74,12 @@ def trainer_shards_parameters(trainer) -> bool:
     return bool(zero3 or getattr(trainer, "is_fsdp_enabled", False))
 
 
-def loss_within_head(lm_head: torch.nn.Module, compute, hidden: torch.Tensor, model=None) -> GRPOLossOutput:
-    """`compute(weight, bias, hidden)`, a fused loss's `GRPOLossOutput`, run by `within_head` inside a call of
-    `model` too where given: an engine that holds the lm_head in the model's own unit (FSDP2's root) arms its
-    backward on that call's outputs, and the hidden states, taken inside the model's first call, are not among
-    them. The fields travel as a tuple, whose loss tensor the engines' backward hooks find."""
+def loss_within_head(lm_head: torch.nn.Module, compute, hidden: torch.Tensor) -> GRPOLossOutput:
+    """`compute(weight, bias, hidden)`, a fused loss's `GRPOLossOutput`, run by `within_head` (its fields travel as a
+    tuple, whose loss tensor the engines' backward hooks find)."""
 
     def as_fields(weight, bias, hidden):
         out = compute(weight, bias, hidden)
         return tuple(getattr(out, f.name) for f in dataclasses.fields(out))
 
-    in_head = lambda hidden: within_head(lm_head, as_fields, hidden)  # noqa: E731
-    return GRPOLossOutput(*(in_head(hidden) if model is None else within_module(model, in_head, hidden)))
+    return GRPOLossOutput(*within_head(lm_head, as_fields, hidden))

@@ -228,7 +228,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
                 return zero_advantage.zero_gradients_loss(model)
             rows = zero_advantage.loss_rows(self, inputs, mask, plan)
             with torch.set_grad_enabled(hidden.requires_grad):  # no loss graph when no row has a gradient
-                out = self._fused_loss(hidden, model, lm_head, rows.mask, rows.inputs, mode)
+                out = self._fused_loss(hidden, lm_head, rows.mask, rows.inputs, mode)
         loss = out.loss * rows.share
         if not hidden.requires_grad:  # every row ran without grad: their parameters' gradients are zeros
             loss = loss + zero_advantage.zero_gradients_loss(model)
@@ -243,10 +243,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
             trl_entropy.update_entropy_controller(self, out, mask, mode)
         return loss
 
-    def _fused_loss(self, hidden, model, lm_head, mask, inputs, mode) -> GRPOLossOutput:
+    def _fused_loss(self, hidden, lm_head, mask, inputs, mode) -> GRPOLossOutput:
         """The fused loss of this micro-batch (in eval mode without gradient accumulation, as TRL), run inside a call
-        of the lm_head (and of the model, under an engine that shards parameters) so that the engine gathers the
-        weight for it and its backward (`sharded_head.loss_within_head`)."""
+        of the lm_head so that an engine that shards its weight gathers it (`sharded_head.within_head`)."""
         args = self.args
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         ratio = inputs.get("importance_sampling_ratio")
@@ -267,8 +266,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         def compute(weight, bias, hidden):
             return self._loss_on_head(hidden, weight, bias, completion_ids, mask, advantages, call)
 
-        root = self.accelerator.unwrap_model(model) if self.shards_parameters else None
-        return sharded_head.loss_within_head(lm_head, compute, hidden, root)
+        return sharded_head.loss_within_head(lm_head, compute, hidden)
 
     def _loss_on_head(self, hidden, weight, bias, completion_ids, mask, advantages, call: dict) -> GRPOLossOutput:
         if not self.args.cast_lm_head_to_fp32:
