@@ -191,8 +191,12 @@ def fsdp2_worker(rank, world, reshard, read_after_forward, result):
 
         def loss_of(model, rows, processes):
             hidden = model(x[rows])
-            call = lambda w, b, h: (loss_fn(h, w, ids[rows], mask[rows], advantages[rows], num_items_in_batch=tokens,
-                                            num_processes=processes).loss,)  # noqa: E731 fmt: skip
+
+            def call(weight, bias, hidden):
+                out = loss_fn(hidden, weight, ids[rows], mask[rows], advantages[rows], num_items_in_batch=tokens,
+                              num_processes=processes)  # fmt: skip
+                return (out.loss,)
+
             if read_after_forward:  # the weight as the model's forward left it (a DTensor shard when resharded)
                 return call(model.lm_head.weight, None, hidden)[0]
             return within_head(model.lm_head, call, hidden)[0]
