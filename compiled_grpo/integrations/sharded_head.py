@@ -82,4 +82,19 @@ def loss_within_head(lm_head: torch.nn.Module, compute, hidden: torch.Tensor) ->
         out = compute(weight, bias, hidden)
         return tuple(getattr(out, f.name) for f in dataclasses.fields(out))
 
+    if not gathered_by_its_hooks(lm_head):  # no engine, or one that holds the lm_head in its model's unit
+        return compute(lm_head.weight, lm_head.bias, hidden)
     return GRPOLossOutput(*within_head(lm_head, as_fields, hidden))
+
+
+def gathered_by_its_hooks(lm_head: torch.nn.Module) -> bool:
+    """Whether an engine gathers this lm_head's weight in hooks of the lm_head's own calls: a ZeRO-3 parameter, or
+    an FSDP2 unit of its own. (An lm_head inside FSDP2's root unit is gathered by the root's hooks, around the
+    model's call; read after it, its weight is the DTensor the loss gathers.)"""
+    if hasattr(lm_head.weight, "ds_id"):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(lm_head, FSDPModule)
