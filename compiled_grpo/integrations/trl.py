@@ -264,20 +264,21 @@ class CompiledGRPOTrainer(GRPOTrainer):
         completion_ids, advantages = inputs["completion_ids"], inputs["advantages"]
 
         def compute(weight, bias, hidden):
-            return self._loss_on_head(hidden, weight, bias, completion_ids, mask, advantages, call)
+            return self._loss_on_head(hidden, weight, bias, (completion_ids, mask, advantages), call)
 
         return sharded_head.loss_within_head(lm_head, compute, hidden)
 
-    def _loss_on_head(self, hidden, weight, bias, completion_ids, mask, advantages, call: dict) -> GRPOLossOutput:
+    def _loss_on_head(self, hidden, weight, bias, rows: tuple, call: dict) -> GRPOLossOutput:
+        """The fused loss on the lm_head's weight and bias; `rows`: (completion ids, mask, advantages)."""
         if not self.args.cast_lm_head_to_fp32:
-            return self.fused_loss(hidden, weight, completion_ids, mask, advantages, bias=bias, **call)
+            return self.fused_loss(hidden, weight, *rows, bias=bias, **call)
         # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
         # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
         if hidden.dtype not in (torch.bfloat16, torch.float16):
             hidden = hidden.float()  # as TRL casts them (a float64 model's)
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if bias is None else bias.float()
-            return self.fused_loss(hidden, weight.float(), completion_ids, mask, advantages, bias=bias, **call)
+            return self.fused_loss(hidden, weight.float(), *rows, bias=bias, **call)
 
 
 def widened_hidden_dtype(trainer) -> torch.dtype | None:
