@@ -28,22 +28,6 @@ def full_shape(param: torch.Tensor) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def full_numel(param: torch.Tensor) -> int:
-    return getattr(param, "ds_numel", param.numel())
-
-
-def engine_managed(param: torch.Tensor) -> bool:
-    """Whether an engine gathers this parameter on its own schedule (a ZeRO-3 parameter or an FSDP2 DTensor):
-    its address changes from one gather to the next."""
-    if hasattr(param, "ds_id"):
-        return True
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor
-        return False
-    return isinstance(param, DTensor)
-
-
 def within_head(lm_head: torch.nn.Module, compute, *args):
     """`compute(weight, bias, *args)` run as the forward of a call of `lm_head`, so that an engine that shards it
     gathers its weight for the call and for the backward of what the call returns. `compute` returns a tuple
