@@ -46,8 +46,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
-from compiled_grpo.integrations import zero_advantage
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, settle
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, settle, zero_advantage
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

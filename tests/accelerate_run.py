@@ -19,8 +19,7 @@ from datasets import Dataset
 from test_integration_trl import digit_reward, tiny_model, tokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo.integrations import zero_advantage
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, zero_advantage
 
 LOGGED = ("loss", "grad_norm", "entropy")
 TRAINERS = {"dense": ("grpo", "compiled"), "zero": ("grpo", "skip-backward", "skip-all")}

@@ -108,7 +108,7 @@ def async_loss(model, batch):
     from test_trl_async import stand_in
 
     from compiled_grpo import FusedLinearGRPOLoss
-    from compiled_grpo.integrations.trl_async import async_loss_settings, packed_row_loss
+    from compiled_grpo.integrations.trl.async_grpo import async_loss_settings, packed_row_loss
 
     trainer = stand_in(model, accelerator=Unwrapping())
     trainer.fused_loss = FusedLinearGRPOLoss(compiled=False, schedule="memory", **async_loss_settings(trainer))

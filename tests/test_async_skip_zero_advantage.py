@@ -21,8 +21,8 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from compiled_grpo import FusedLinearGRPOLoss  # noqa: E402
-from compiled_grpo.integrations import async_zero_advantage  # noqa: E402
-from compiled_grpo.integrations.trl_async import ASYNC_METRICS, async_loss_settings, packed_row_loss  # noqa: E402
+from compiled_grpo.integrations.trl import async_zero_advantage  # noqa: E402
+from compiled_grpo.integrations.trl.async_grpo import ASYNC_METRICS, async_loss_settings, packed_row_loss  # noqa: E402
 
 TREE = "tree_reference"
 
@@ -149,7 +149,7 @@ def test_the_trainer_packs_with_the_split_collator(tmp_path, monkeypatch, mode, 
     from test_trl_async import trainer
     from trl.experimental.async_grpo import async_grpo_trainer
 
-    from compiled_grpo.integrations.trl_async import CompiledAsyncGRPOTrainer
+    from compiled_grpo.integrations.trl.async_grpo import CompiledAsyncGRPOTrainer
 
     monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: 1e12)
     monkeypatch.setattr(async_grpo_trainer, "RolloutQueueDataset", lambda **kwargs: [])

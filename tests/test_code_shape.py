@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "compiled_grpo"
 KEEPS_A_FOREIGN_SIGNATURE = {  # drop-ins called with another library's positional arguments
     ("compat.py", "__init__"),  # Liger's LigerFusedLinearGRPOLoss
     ("compat.py", "forward"),
-    ("integrations/trl_head.py", "apply"),  # TRL's ChunkedLogProbFunction.apply
+    ("integrations/trl/head.py", "apply"),  # TRL's ChunkedLogProbFunction.apply
     ("integrations/verl.py", "linear_cross_entropy"),  # verl's linear_cross_entropy
 }
 MAX_POSITIONAL = 6

@@ -31,7 +31,7 @@ import torch
 from test_distributed import init, spawn
 
 from compiled_grpo import FusedLinearGRPOLoss
-from compiled_grpo.integrations.sharded_head import within_head
+from compiled_grpo.integrations.trl.sharded_head import within_head
 
 HERE = Path(__file__).parent
 LOGGED = ("loss", "grad_norm", "entropy")

@@ -14,8 +14,7 @@ from test_integration_trl import VOCAB, loss_and_grads, make_trainer, micro_batc
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOTrainer
 
-from compiled_grpo.integrations import regroup, zero_advantage
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, regroup, zero_advantage
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
 ZEROS = {"none": [], "some": [1, 2], "all": [0, 1, 2, 3]}

@@ -12,8 +12,7 @@ from test_integration_trl import loss_and_grads, make_trainer, micro_batch
 from test_skip_zero_advantage import ZEROS, assert_same, skipping_trainer, tiny_qwen2, trl_loss, with_zeros
 from trl import GRPOTrainer
 
-from compiled_grpo.integrations import zero_advantage
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, zero_advantage
 
 
 def reshape_advantages(inputs: dict, how: str) -> None:

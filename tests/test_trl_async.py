@@ -23,7 +23,7 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from compiled_grpo import FusedLinearGRPOLoss  # noqa: E402
-from compiled_grpo.integrations.trl_async import (  # noqa: E402
+from compiled_grpo.integrations.trl.async_grpo import (  # noqa: E402
     ASYNC_METRICS,
     CompiledAsyncGRPOTrainer,
     async_loss_settings,
@@ -178,8 +178,8 @@ def test_one_training_step_matches_trls(tmp_path, monkeypatch):
 def test_trls_own_async_loss_on_the_compiled_head(monkeypatch):
     """TRL's own `compute_loss` inside `compiled_fused_head()`: its fused head (which the async trainer calls with
     `fused_lm_head=True`) runs on `fused_linear_logprobs`, with TRL's loss on top: the same loss and gradients."""
-    from compiled_grpo.integrations import trl_head as integration
     from compiled_grpo.integrations.trl import compiled_fused_head
+    from compiled_grpo.integrations.trl import head as integration
 
     calls = []
     primitive = integration.fused_linear_logprobs

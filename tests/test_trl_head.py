@@ -13,7 +13,7 @@ from test_integration_trl import digit_reward, tiny_model, tokenizer
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 from trl.kernels import ChunkedLogProbFunction
 
-import compiled_grpo.integrations.trl_head as integration
+import compiled_grpo.integrations.trl.head as integration
 from compiled_grpo.integrations.trl import EagerFusedHeadFunction, compiled_fused_head
 
 OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")

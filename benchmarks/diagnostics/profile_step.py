@@ -24,7 +24,7 @@ from trl import GRPOTrainer
 from benchmarks import trl_step
 from benchmarks.diagnostics import profile_gpu
 from compiled_grpo import FusedLinearGRPOLoss, tiling
-from compiled_grpo.integrations import trl as trl_integration
+from compiled_grpo.integrations.trl import settings as trl_integration
 from compiled_grpo.schedules import recompute, speed, whole_forward
 
 PHASES = (  # (owner, attribute, phase name)

@@ -1,6 +1,6 @@
 """TRL 1.16's AsyncGRPOTrainer with its loss on this library's packed path.
 
-    from compiled_grpo.integrations.trl_async import CompiledAsyncGRPOTrainer
+    from compiled_grpo.integrations.trl.async_grpo import CompiledAsyncGRPOTrainer
     trainer = CompiledAsyncGRPOTrainer(model="Qwen/...", reward_funcs=..., args=AsyncGRPOConfig(...), ...)
 
 TRL's async trainer packs a rank's micro-batch into one row (a prefix tree of its samples: a token shared by
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..loss import FusedLinearGRPOLoss
+from ...loss import FusedLinearGRPOLoss
 from . import async_zero_advantage, sharded_head, zero_advantage
-from .trl import head_scaling, hidden_states_at_head, read_back
+from .settings import head_scaling, read_back
+from .trainer import hidden_states_at_head
 
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
 

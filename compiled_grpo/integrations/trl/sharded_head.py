@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from ..loss import GRPOLossOutput
+from ...loss import GRPOLossOutput
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:

@@ -8,7 +8,7 @@ import contextlib
 import torch
 import trl.trainer.utils as trl_utils
 
-from ..logprobs import fused_linear_logprobs, fused_linear_logprobs_with_extras
+from ...logprobs import fused_linear_logprobs, fused_linear_logprobs_with_extras
 
 
 class FusedHeadFunction:

@@ -1,20 +1,5 @@
-"""TRL 1.16 on compiled_grpo: the GRPO trainer's loss, and the fused LM head of every TRL trainer.
-
-    from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_fused_head
-    trainer = CompiledGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
-    with compiled_fused_head():  # SFT, DPO, KTO, RLOO, GRPO...: TRL's fused head on fused_linear_logprobs
-        SFTTrainer(...).train()
-
-Every loss setting comes from the trainer's `GRPOConfig` (loss type, clipping, delta, KL, importance sampling
-level and vLLM correction, top_entropy_quantile, OPSM, entropy bonus with TRL's adaptive controller, vespo,
-gradient accumulation), and the logit scale and softcap from the model's config, as TRL's fused head reads
-them. The model runs once per micro-batch with a pre-hook on its output embedding that takes the final hidden
-states and lets the head project only one position; the fused loss then streams the completion positions
-through the lm_head. TRL's metrics are logged under TRL's names. Also handled: the one-position shift between
-hidden states and completion ids, `tool_mask`, the MoE auxiliary loss (divided by gradient accumulation), eval
-mode (no accumulation), `cast_lm_head_to_fp32`, PEFT (an adapter on the backbone; not on lm_head itself), tied
-embeddings and FSDP2 DTensor weights.
-"""
+"""CompiledGRPOTrainer: TRL 1.16's GRPOTrainer with its loss, and its old and reference log-probs, on this
+library's fused head (the package's docstring says what it covers)."""
 
 from __future__ import annotations
 
@@ -24,17 +9,11 @@ import torch
 import trl
 from trl import GRPOTrainer
 
-from .. import logprobs
-from ..loss import FusedLinearGRPOLoss, GRPOLossOutput
-from ..schedules import sparse
-from ..tiling import Tiles
-from . import regroup, sharded_head, trl_entropy, zero_advantage
-from .trl_head import (  # noqa: F401 (public names of this module)
-    CapturedFusedHeadFunction,
-    EagerFusedHeadFunction,
-    FusedHeadFunction,
-    compiled_fused_head,
-)
+from ... import logprobs
+from ...loss import FusedLinearGRPOLoss, GRPOLossOutput
+from . import entropy_bonus, regroup, sharded_head, zero_advantage
+from .head import compiled_fused_head
+from .settings import captures_by_default, loss_settings, settle, trainer_budget
 
 if trl.__version__ != "1.16.0":
     warnings.warn(
@@ -47,46 +26,6 @@ MODEL_EXTRA_INPUTS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids", "mm_token_type_ids",
     "spatial_shapes", "image_position_ids",
 )  # fmt: skip
-
-
-def head_scaling(config) -> tuple[float, float | None]:
-    """(logit_scale, final_logit_softcapping) from a model config, read the way TRL 1.16's fused head reads them:
-    `logit_scale`, else `output_multiplier`, else `lm_head_multiplier`, else 1 / `logits_scaling` (times it for
-    HyperCLOVA X)."""
-    text = config.get_text_config()
-    scale = None
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        if scale is None:
-            scale = getattr(text, name, None)
-    if scale is None and getattr(text, "logits_scaling", None) is not None:
-        scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
-    return (1.0 if scale is None else float(scale)), getattr(text, "final_logit_softcapping", None)
-
-
-def loss_settings(trainer: GRPOTrainer) -> dict:
-    args = trainer.args
-    logit_scale, softcap = head_scaling(trainer.accelerator.unwrap_model(trainer.model).config)
-    return {
-        "loss_type": args.loss_type,
-        "beta": args.beta,
-        "epsilon_low": args.epsilon,
-        "epsilon_high": trainer.epsilon_high,
-        "delta": args.delta,
-        "importance_sampling_level": args.importance_sampling_level,
-        "temperature": trainer.temperature,
-        "top_entropy_quantile": args.top_entropy_quantile,
-        "max_completion_length": args.max_completion_length,
-        "sapo_temperature_pos": args.sapo_temperature_pos,
-        "sapo_temperature_neg": args.sapo_temperature_neg,
-        "vespo_k_pos": args.vespo_k_pos,
-        "vespo_lambda_pos": args.vespo_lambda_pos,
-        "vespo_k_neg": args.vespo_k_neg,
-        "vespo_lambda_neg": args.vespo_lambda_neg,
-        "use_bias_correction_kl": args.use_bias_correction_kl,
-        "off_policy_mask_threshold": args.off_policy_mask_threshold,
-        "logit_scale": logit_scale,
-        "final_logit_softcapping": softcap,
-    }
 
 
 def completion_hidden_states(model, lm_head, model_inputs: dict, completion_length: int):
@@ -113,43 +52,6 @@ def hidden_states_at_head(model, lm_head, model_inputs: dict):
     finally:
         handle.remove()
     return captured["hidden"], outputs
-
-
-def read_back(metrics: dict) -> dict:
-    """The values of 0-d tensors, read from the device in one wait (not one per metric)."""
-    if not metrics:
-        return {}
-    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
-
-
-def settle(metrics: dict[str, list]) -> None:
-    """Replace the tensors among logged values by their floats, read back in one wait."""
-    pending = [(k, i) for k, values in metrics.items() for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if pending:
-        values = read_back({(k, i): metrics[k][i] for k, i in pending})
-        for (k, i), value in values.items():
-            metrics[k][i] = value
-
-
-def trainer_budget(loss: FusedLinearGRPOLoss, weight, device) -> int:
-    """The lm_head workspace "auto" may take inside a trainer, where the model's activations are alive while the
-    head runs: what TRL's fused head holds in its backward (a float32 dW sum and a copy in the weight's dtype),
-    and never less than the sparse pass's largest workspace (its peak, measured, stays under TRL's)."""
-    trl_head = weight.numel() * (4 + weight.element_size())
-    tiles = Tiles.for_device(device, loss.captures is not None, **loss.tile_overrides)
-    return max(trl_head, sparse.workspace_bound(tiles, weight))
-
-
-# The largest lm_head hidden size whose calls the trainer captures by default. Up to it (0.5B-1.5B shapes, H 896 and
-# 1536) the step is bound by the host's launches and capture measured faster or level; at 7B (H 3584) the step is
-# bound by the GPU, capture gains nothing, and its graphs' pool outgrew the budget at the first capture.
-CAPTURED_HIDDEN_SIZE = 2048
-
-
-def captures_by_default(weight) -> bool:
-    """Whether CompiledGRPOTrainer captures its loss's calls unless `loss_options` says (a GPU only, in effect)."""
-    return weight.shape[1] <= CAPTURED_HIDDEN_SIZE
 
 
 class CompiledGRPOTrainer(GRPOTrainer):
@@ -240,7 +142,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value.detach())
         zero_advantage.log_skipped(self, plan, mode)
         if self._entropy_bonus_enabled:
-            trl_entropy.update_entropy_controller(self, out, mask, mode)
+            entropy_bonus.update_entropy_controller(self, out, mask, mode)
         return loss
 
     def _fused_loss(self, hidden, lm_head, mask, inputs, mode) -> GRPOLossOutput:
@@ -259,7 +161,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
             "num_processes": self.accelerator.num_processes,
             "gradient_accumulation_steps": accumulation,
             "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
-            "entropy_coef": trl_entropy.entropy_coef_to_apply(self, hidden.device),
+            "entropy_coef": entropy_bonus.entropy_coef_to_apply(self, hidden.device),
         }
         completion_ids, advantages = inputs["completion_ids"], inputs["advantages"]
 
