@@ -26,8 +26,8 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ...loss import FusedLinearGRPOLoss
 from . import async_zero_advantage, sharded_head, zero_advantage
+from .hidden_states import hidden_states_at_head
 from .settings import head_scaling, read_back
-from .trainer import hidden_states_at_head
 
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
 

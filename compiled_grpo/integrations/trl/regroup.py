@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import zero_advantage
+from . import plan
 
 REGROUPS_EXACTLY = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
 
@@ -69,7 +69,7 @@ def gradient_first(micro_batches: list[dict]) -> list[dict]:
     size = len(micro_batches[0]["advantages"])
     merged = merge(micro_batches)
     advantages = merged["advantages"]  # one read-back of the generation batch's advantages
-    zero = zero_advantage.is_zero(advantages).cpu().tolist()
+    zero = plan.is_zero(advantages).cpu().tolist()
     order = [i for i, z in enumerate(zero) if not z] + [i for i, z in enumerate(zero) if z]
     return [take(merged, order[start : start + size]) for start in range(0, len(order), size)]
 

@@ -11,8 +11,11 @@ from trl import GRPOTrainer
 
 from ... import logprobs
 from ...loss import FusedLinearGRPOLoss, GRPOLossOutput
-from . import entropy_bonus, regroup, sharded_head, zero_advantage
+from . import entropy_bonus, packing, regroup, scoring, sharded_head, zero_advantage
+from . import padding_free as real_tokens
+from . import plan as micro_batch_plan
 from .head import compiled_fused_head
+from .hidden_states import completion_hidden_states
 from .settings import captures_by_default, loss_settings, settle, trainer_budget
 
 if trl.__version__ != "1.16.0":
@@ -28,32 +31,6 @@ MODEL_EXTRA_INPUTS = (
 )  # fmt: skip
 
 
-def completion_hidden_states(model, lm_head, model_inputs: dict, completion_length: int):
-    """The final hidden states that predict the completion tokens [B, C, H], and the model's output (the model
-    keeps the last C + 1 positions, `logits_to_keep`)."""
-    kept = {**model_inputs, "logits_to_keep": completion_length + 1}
-    hidden, outputs = hidden_states_at_head(model, lm_head, kept)
-    return hidden[:, :-1], outputs
-
-
-def hidden_states_at_head(model, lm_head, model_inputs: dict):
-    """The input of the output embedding (the final hidden states of the positions the model keeps) and the
-    model's output. A forward pre-hook takes that input and hands the head only the last position, so no
-    [positions, V] logits are made."""
-    captured = {}
-
-    def take_input(module, args):
-        captured["hidden"] = args[0]
-        return (args[0][:, -1:], *args[1:])
-
-    handle = lm_head.register_forward_pre_hook(take_input)
-    try:
-        outputs = model(**model_inputs, use_cache=False)
-    finally:
-        handle.remove()
-    return captured["hidden"], outputs
-
-
 class CompiledGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come
     from `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
@@ -66,9 +43,15 @@ class CompiledGRPOTrainer(GRPOTrainer):
     back when logged: a step does not wait on the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
-                 skip_zero_advantage="auto", **kwargs):  # fmt: skip
+                 skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
+                 **kwargs):  # fmt: skip
         zero_advantage.check_mode(skip_zero_advantage)
+        real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
+        self.padding_free_mode, self.packed_bucket = padding_free, packed_bucket
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.packed_attention = real_tokens.attention_for(packed_attention, unwrapped, self.accelerator.device)
+        self.packing_refused = None  # why the model cannot pack ("": it can), found at its first packed forward
         weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
         # an engine that shards the lm_head gathers it to a new address each call: graphs keyed on it would not serve
         self.shards_parameters = sharded_head.trainer_shards_parameters(self)
@@ -91,7 +74,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         narrowed = widened_hidden_dtype(self) if self.args.cast_lm_head_to_fp32 else None
         with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits,
                                  hidden_dtype=narrowed):  # fmt: skip
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return scoring.per_token_logps(self, super()._get_per_token_logps_and_entropies, *args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
         """TRL's micro-batch; a new generation batch's micro-batches carry their rows at advantage 0 (one read-back
@@ -99,15 +82,22 @@ class CompiledGRPOTrainer(GRPOTrainer):
         the first micro-batches of each optimizer step (`regroup`)."""
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
-        fresh = self._buffered_inputs is not buffered and self.model.training and self.skip_reason is None
+        fresh = self._buffered_inputs is not buffered and self.model.training
         if not fresh or any(inputs.get(k) is not None for k in MODEL_EXTRA_INPUTS):
             return inputs
         if regroup.applies(self):
             self._buffered_inputs = regroup.regroup(self, self._buffered_inputs)
-        zero_advantage.annotate(self, self._buffered_inputs)  # each micro-batch's rows at 0, found once
+        # each micro-batch's plan (its rows at 0, its real tokens), found once
+        micro_batch_plan.annotate(self, self._buffered_inputs, with_zeros=self.skip_reason is None)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        multimodal = any(inputs.get(k) is not None for k in MODEL_EXTRA_INPUTS)
+        plan = zero_advantage.row_plan(self, inputs, mode, multimodal)  # sequences at advantage 0 skip their backward
+        lengths = None if multimodal or self.padding_free_mode is False else micro_batch_plan.lengths(self, inputs)
+        if lengths is not None:  # its own longest prompt and completion, or packed (`_forward`)
+            inputs, lengths = packing.trimmed(inputs, lengths)
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         model_inputs = {
@@ -118,19 +108,18 @@ class CompiledGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             model_inputs["output_router_logits"] = True
         lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        multimodal = any(k in model_inputs for k in MODEL_EXTRA_INPUTS)
-        plan = zero_advantage.row_plan(self, inputs, mode, multimodal)  # sequences at advantage 0 skip their backward
-        forward = lambda rows: completion_hidden_states(model, lm_head, rows, completion_ids.size(1))  # noqa: E731
+        padded = lambda rows: completion_hidden_states(model, lm_head, rows, completion_ids.size(1))  # noqa: E731
         with self.accelerator.autocast():
-            hidden, outputs = zero_advantage.split_forward(forward, model_inputs, plan)
+            hidden, outputs, targets = self._forward(model, padded, model_inputs, lengths, plan)
             if hidden is None:  # no sequence to train and nothing to log: no forward at all
                 zero_advantage.log_skipped(self, plan, mode)
                 return zero_advantage.zero_gradients_loss(model)
             rows = zero_advantage.loss_rows(self, inputs, mask, plan)
+            packed = {} if targets is None else packing.per_target(rows.inputs, rows.mask, targets)
+            given = {**rows.inputs, "completion_mask": rows.mask, **packed}  # completion_mask: the loss's mask
             with torch.set_grad_enabled(hidden.requires_grad):  # no loss graph when no row has a gradient
-                out = self._fused_loss(hidden, lm_head, rows.mask, rows.inputs, mode)
+                out = self._fused_loss(hidden, lm_head, given, mode)
         loss = out.loss * rows.share
         if not hidden.requires_grad:  # every row ran without grad: their parameters' gradients are zeros
             loss = loss + zero_advantage.zero_gradients_loss(model)
@@ -142,12 +131,25 @@ class CompiledGRPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value.detach())
         zero_advantage.log_skipped(self, plan, mode)
         if self._entropy_bonus_enabled:
-            entropy_bonus.update_entropy_controller(self, out, mask, mode)
+            entropy_bonus.update_entropy_controller(self, out, given["completion_mask"], mode)
         return loss
 
-    def _fused_loss(self, hidden, lm_head, mask, inputs, mode) -> GRPOLossOutput:
-        """The fused loss of this micro-batch (in eval mode without gradient accumulation, as TRL), run inside a call
-        of the lm_head so that an engine that shards its weight gathers it (`sharded_head.within_head`)."""
+    def _forward(self, model, padded, model_inputs: dict, lengths, plan):
+        """(final hidden states, the model's outputs, the loss rows' packed targets or None): packed where the
+        micro-batch can be (`real_tokens.packs`), else `padded(rows)` on its rows as given (trimmed where
+        `lengths` is known), split by the row plan."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        forward = real_tokens.packed_ids_forward(model, unwrapped.get_output_embeddings(), {})
+        ids = model_inputs["input_ids"]
+        if lengths is not None and real_tokens.packs(self, forward, ids, lengths):
+            with real_tokens.attention_as(unwrapped, self.packed_attention):
+                return real_tokens.packed_forward(forward, ids, lengths, plan, self.packed_bucket)
+        return (*zero_advantage.split_forward(padded, model_inputs, plan), None)
+
+    def _fused_loss(self, hidden, lm_head, inputs: dict, mode) -> GRPOLossOutput:
+        """The fused loss of this micro-batch (in eval mode without gradient accumulation, as TRL), padded or packed
+        (`packing.per_target`), its mask `inputs["completion_mask"]`, run inside a call of the lm_head so that an
+        engine that shards its weight gathers it (`sharded_head.within_head`)."""
         args = self.args
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         ratio = inputs.get("importance_sampling_ratio")
@@ -162,8 +164,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
             "gradient_accumulation_steps": accumulation,
             "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
             "entropy_coef": entropy_bonus.entropy_coef_to_apply(self, hidden.device),
+            **{k: inputs[k] for k in ("segment_ids", "num_sequences", "row_index") if k in inputs},
         }
-        completion_ids, advantages = inputs["completion_ids"], inputs["advantages"]
+        completion_ids, mask, advantages = inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"]
 
         def compute(weight, bias, hidden):
             return self._loss_on_head(hidden, weight, bias, (completion_ids, mask, advantages), call)

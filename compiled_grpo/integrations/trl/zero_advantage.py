@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import plan
+
 SKIP_MODES = ("auto", "backward", "all", False)
 # The smallest lm_head hidden size at which "auto" splits the forward (Qwen2.5-1.5B's is 1536, 0.5B's 896).
 AUTO_HIDDEN_SIZE = 1536
@@ -61,6 +63,7 @@ class RowPlan(NamedTuple):
     any_gradient: bool
     skipped_backward: float
     skipped_forward: float
+    rows: tuple = (None, None)  # the trained and untrained rows on the host (for packing them)
 
 
 class LossRows(NamedTuple):
@@ -93,59 +96,12 @@ def why_not(trainer, mode, hidden_size: int) -> str | None:
     return next((why for applies, why in reasons if applies), None)
 
 
-# The key under which a micro-batch carries its rows at advantage 0 and every rank's counts, found when its
-# generation batch was made (`annotate`), so that a step reads nothing back from the device to plan its forwards.
-ZERO_ROWS = "compiled_grpo_zero_advantage_rows"
-
-
-class ZeroRows(NamedTuple):
-    """A micro-batch's rows at advantage 0 (host bool [B]) and [ranks, 2] counts of such rows and of all rows, with
-    the advantages tensor they were read from and its version counter then: a plan holds only while the micro-batch
-    still carries that tensor, unchanged (`fits`)."""
-
-    zero: torch.Tensor
-    counts: torch.Tensor
-    advantages: torch.Tensor
-    version: int
-
-    def fits(self, advantages: torch.Tensor) -> bool:
-        """Whether these rows were read from `advantages` as it is now (not replaced, not changed in place)."""
-        return advantages is self.advantages and advantages._version == self.version
-
-
-def is_zero(advantages: torch.Tensor) -> torch.Tensor:
-    """Which rows are at advantage 0: advantages [B], or [B, T] equal along T as TRL gives them."""
-    return (advantages if advantages.dim() == 1 else advantages.abs().amax(-1)) == 0
-
-
-def zero_rows(trainer, micro_batches: list[dict]) -> list[ZeroRows]:
-    """For each micro-batch, its `ZeroRows` (this rank's rows at advantage 0, [ranks, 2] counts of such rows and of
-    rows on every rank), read back in one wait (and one gather across ranks, which every rank must reach)."""
-    zeros = [is_zero(batch["advantages"]) for batch in micro_batches]
-    counts = torch.stack([torch.stack([z.sum(), torch.tensor(z.numel(), device=z.device)]) for z in zeros])
-    if trainer.accelerator.num_processes > 1:  # every rank must take the same branches below
-        counts = trainer.accelerator.gather(counts.reshape(1, -1)).reshape(-1, len(zeros), 2).transpose(0, 1)
-    else:
-        counts = counts.reshape(len(zeros), 1, 2)
-    host = torch.cat([torch.cat(zeros).long(), counts.reshape(-1)]).cpu()
-    split = sum(z.numel() for z in zeros)
-    masks = host[:split].bool().split([z.numel() for z in zeros])
-    read = [(b["advantages"], b["advantages"]._version) for b in micro_batches]
-    return [ZeroRows(m, c, *r) for m, c, r in zip(masks, host[split:].reshape(counts.shape), read, strict=True)]
-
-
-def annotate(trainer, micro_batches: list[dict]) -> None:
-    """Store each micro-batch's `zero_rows` in it (`ZERO_ROWS`): one wait per generation batch, none per step."""
-    for batch, rows in zip(micro_batches, zero_rows(trainer, micro_batches), strict=True):
-        batch[ZERO_ROWS] = rows
-
-
 def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
     """The split of a micro-batch by its sequences' advantages, the same calls on every rank, or None when no
     rank has a sequence at advantage 0. On several processes a rank always runs one forward with grad (one row,
     its loss 0, when it has nothing to train: the backward's gradient reduction must run on every rank) and, if
     untrained rows run a forward, one without (a stand-in row when it has none)."""
-    zero, counts, _, _ = planned_zero_rows(trainer, inputs)
+    zero, counts, _, _ = plan.zero_rows(trainer, inputs)
     if int(counts[:, 0].sum()) == 0:
         return None
     # one process whose parameters are its own: a micro-batch with nothing to train may skip the model (an engine
@@ -166,18 +122,9 @@ def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
     kept = untrained.to(device) if forward_untrained and untrained.numel() else None
     sliced = not forward_untrained
     skipped_forward = 0.0 if forward_untrained else share
-    return RowPlan(trained.to(device), kept, stand_in, trained_stand_in, sliced, any_gradient, share, skipped_forward)
-
-
-def planned_zero_rows(trainer, inputs: dict) -> ZeroRows:
-    """The micro-batch's rows at advantage 0 as its generation batch found them, or read again where its advantages
-    are no longer the tensor they were read from (a subclass that reshapes advantages after `_prepare_inputs`):
-    a plan made from other advantages would run rows that now have a gradient without grad. Every rank must
-    change its advantages alike (the read-back gathers across ranks)."""
-    planned = inputs.get(ZERO_ROWS)
-    if planned is not None and planned.fits(inputs["advantages"]):
-        return planned
-    return zero_rows(trainer, [inputs])[0]
+    host = (trained, untrained if kept is not None else None)
+    return RowPlan(trained.to(device), kept, stand_in, trained_stand_in, sliced, any_gradient, share, skipped_forward,
+                   host)  # fmt: skip
 
 
 def rows_of(model_inputs: dict, rows: torch.Tensor) -> dict:

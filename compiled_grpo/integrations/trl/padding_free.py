@@ -1,0 +1,151 @@
+"""CompiledGRPOTrainer's forwards on real tokens only (`packing`): the choice, the model check, the packed forwards.
+
+`padding_free="auto"` (the default) packs each micro-batch where the model keeps packed sequences apart (checked
+once per trainer, `packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward.
+Packed forwards run under the attention implementation `attention_for` picks (only while they run: generation and
+every other forward keep the model's own). Not packed, trimmed instead (said once): multimodal inputs (not
+trimmed either), a MoE auxiliary loss (its balance counts every position of the row), rows whose masks have holes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from .hidden_states import hidden_states_at_head
+from .packing import PackedRows, can_pack, pack, targets
+from .plan import Lengths
+
+MODES = ("auto", "trim", False)
+# Measured on an H200 (Qwen2.5 shapes, docs/performance.md): FlexAttention's packed forward and backward beat SDPA's
+# from hidden size 1536 up; below it SDPA is faster. FlashAttention, where the model already uses it, is kept.
+FLEX_HIDDEN_SIZE = 1536
+# The real tokens of each of the two sequences the model check packs.
+CHECK_TOKENS = 24
+
+
+class PaddingFreeNotice(UserWarning):
+    """Why CompiledGRPOTrainer trims rather than packs (or neither)."""
+
+
+def check_options(mode, attention, bucket) -> None:
+    if mode not in MODES or isinstance(mode, (int, float)) and mode is not False:
+        raise ValueError(f"padding_free: expected one of {MODES}, got {mode!r}")
+    if attention is not None and not isinstance(attention, str):
+        raise TypeError(
+            f"packed_attention: expected 'auto', None or an attention implementation's name, got {attention!r}"
+        )
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ValueError(f"packed_bucket: expected a positive int (tokens), got {bucket!r}")
+
+
+def attention_for(choice: str | None, model, device: torch.device) -> str | None:
+    """The attention implementation packed forwards run under (None: the model's own). "auto": on a GPU, the model's
+    FlashAttention where it uses one, else FlexAttention from hidden size `FLEX_HIDDEN_SIZE` and SDPA below it; on
+    the CPU the model's own."""
+    if choice != "auto":
+        return choice
+    own = model.config._attn_implementation
+    if device.type != "cuda" or own is None or "flash" in own:
+        return None
+    return "flex_attention" if model.config.get_text_config().hidden_size >= FLEX_HIDDEN_SIZE else "sdpa"
+
+
+@contextlib.contextmanager
+def attention_as(model, name: str | None):
+    """The model (and its submodels) under attention implementation `name` while the block runs."""
+    own = model.config._attn_implementation
+    if name is None or name == own:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
+def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
+    """Whether this micro-batch runs packed: `padding_free="auto"`, the model passed its check (made at the first
+    call, on every rank alike), no MoE auxiliary loss, and rows whose real tokens are one span each."""
+    if trainer.padding_free_mode != "auto":
+        return False
+    if trainer.packing_refused is None:
+        trainer.packing_refused = packing_fails(forward, ids, lengths) or ""
+        if trainer.packing_refused:
+            say_once(trainer, f"{trainer.packing_refused}; micro-batches are trimmed instead of packed")
+    if trainer.aux_loss_enabled:
+        say_once(trainer, "micro-batches are trimmed, not packed: the MoE auxiliary loss balances every position of "
+                          "the model's row, padding included")  # fmt: skip
+        return False
+    if not can_pack(lengths):
+        say_once(trainer, "a micro-batch is trimmed, not packed: a row's masks have a hole, or a row has no prompt")
+        return False
+    return not trainer.packing_refused
+
+
+def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: int):
+    """(final hidden states [N, H] of every packed row the loss reads, the trained rows' model outputs, the loss
+    rows' targets in them): the rows with a gradient packed and forwarded with grad, those without (under the row
+    plan) packed and forwarded without, their hidden states joined. (None, None, None) when nothing runs."""
+    rows = torch.arange(len(lengths.prompt))
+    trained, untrained = (rows, None) if plan is None else plan.rows
+    parts, starts, outputs = [], torch.zeros(len(rows), dtype=torch.long), None
+    if trained.numel():
+        packed = pack(ids, lengths, trained, bucket)
+        hidden, outputs = forward(packed)
+        parts.append(hidden)
+        starts[trained] = packed.starts
+    if untrained is not None and untrained.numel():
+        with torch.no_grad():
+            packed = pack(ids, lengths, untrained, bucket)
+            hidden, _ = forward(packed)
+        if not plan.stand_in:  # a stand-in forward only keeps step with the other ranks
+            starts[untrained] = packed.starts + sum(p.shape[0] for p in parts)
+            parts.append(hidden if not parts else hidden.to(parts[0].dtype))
+    if not parts:
+        return None, None, None
+    loss_rows = trained if plan is not None and plan.sliced else rows
+    width = lengths.masks[1].shape[1]
+    hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return hidden, outputs, targets(lengths, loss_rows, starts[loss_rows], width, hidden.device)
+
+
+def packing_fails(forward, ids: torch.Tensor, lengths: Lengths) -> str | None:
+    """Why this model cannot be packed (None: it can): two sequences (the first `CHECK_TOKENS` real tokens of the
+    micro-batch's first two rows, or of its one row twice) packed, against each forwarded alone, no grad."""
+    rows = torch.tensor([0, min(1, len(lengths.prompt) - 1)])
+    prompt = lengths.prompt[rows].clamp(max=CHECK_TOKENS // 2)
+    short = lengths._replace(prompt=lengths.prompt.clone(), completion=lengths.completion.clone())
+    short.prompt[rows] = prompt
+    short.completion[rows] = lengths.completion[rows].clamp(max=CHECK_TOKENS - prompt)
+    with torch.no_grad():
+        both, _ = forward(pack(ids, short, rows, 1))
+        alone = [forward(pack(ids, short, rows[i : i + 1], 1))[0] for i in range(2)]
+    joined = torch.cat(alone).float()
+    error = float((both.float() - joined).norm() / joined.norm().clamp(min=1e-30))
+    bound = 1e-4 if both.dtype in (torch.float32, torch.float64) else 3e-2
+    if error <= bound:
+        return None
+    return (f"two packed sequences differ from each forwarded alone (relative error {error:.2e} > {bound:.0e}): the "
+            "model does not keep packed sequences apart (its attention ignores the positions' restarts)")  # fmt: skip
+
+
+def packed_ids_forward(model, lm_head, extra: dict):
+    """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position."""
+
+    def forward(packed: PackedRows):
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, **extra}
+        hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
+        return hidden[0], outputs
+
+    return forward
+
+
+def say_once(trainer, message: str) -> None:
+    said = trainer.__dict__.setdefault("_padding_free_notices", set())
+    if message not in said:
+        said.add(message)
+        warnings.warn(f"compiled_grpo: {message}", PaddingFreeNotice, stacklevel=3)
