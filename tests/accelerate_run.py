@@ -11,6 +11,7 @@ OUT/<trainer>-rank<r>-zeros.json."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,10 +20,10 @@ from datasets import Dataset
 from test_integration_trl import digit_reward, tiny_model, tokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, zero_advantage
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, padding_free, plan, zero_advantage
 
 LOGGED = ("loss", "grad_norm", "entropy")
-TRAINERS = {"dense": ("grpo", "compiled"), "zero": ("grpo", "skip-backward", "skip-all")}
+TRAINERS = {"dense": ("grpo", "compiled"), "zero": ("grpo", "skip-backward", "skip-all"), "long": ("grpo", "compiled")}
 
 
 class ZeroOnOneRank:
@@ -48,7 +49,7 @@ def record_zero_rows(name: str, out: Path) -> list:
     seen, plan_rows = [], zero_advantage.plan_rows
 
     def recording(trainer, inputs, forward_untrained):
-        zero = inputs[zero_advantage.ZERO_ROWS].zero
+        zero = inputs[plan.PLAN].zero.zero
         seen.append([int(zero.sum()), zero.numel()])
         return plan_rows(trainer, inputs, forward_untrained)
 
@@ -56,13 +57,30 @@ def record_zero_rows(name: str, out: Path) -> list:
     return seen
 
 
+def count_packed_forwards() -> list:
+    """A list that grows by one at each packed forward of the trainer's loss."""
+    calls, packed_forward = [], padding_free.packed_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return packed_forward(*args, **kwargs)
+
+    padding_free.packed_forward = counting
+    return calls
+
+
 def train(name: str, out: Path, scenario: str) -> None:
     model = tiny_model(dtype=torch.float32)
     zero = scenario == "zero"
     extra_args = {"gradient_accumulation_steps": 2, "optim": "sgd"} if zero else {}
-    args = GRPOConfig(output_dir=str(out / name), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, max_steps=3, learning_rate=5e-2, logging_steps=1, report_to=[],
-                      use_cpu=True, save_strategy="no", bf16=False, seed=0, **extra_args)  # fmt: skip
+    extra_args["max_completion_length"] = 6
+    if scenario == "long":  # rank 0's completions up to 24 tokens, rank 1's at most 3: packed rows of unlike lengths
+        rank = int(os.environ.get("RANK", "0"))
+        extra_args = {"gradient_accumulation_steps": 2, "optim": "sgd", "max_completion_length": 24,
+                      "generation_kwargs": {"max_new_tokens": 24 if rank == 0 else 3}}  # fmt: skip
+    args = GRPOConfig(output_dir=str(out / name), per_device_train_batch_size=4, num_generations=4, max_steps=3,
+                      learning_rate=5e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                      bf16=False, seed=0, **extra_args)  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a b c", "d e f", "1 2 a", "g h i"] * 4})
     cls, extra = (GRPOTrainer, {}) if name == "grpo" else (CompiledGRPOTrainer, {"compiled": False})
     if name.startswith("skip-"):
@@ -71,6 +89,7 @@ def train(name: str, out: Path, scenario: str) -> None:
     trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer(),
                   **extra)  # fmt: skip
     seen = record_zero_rows(name, out) if zero else []
+    packed = count_packed_forwards()
     trainer.train()
     rank = trainer.accelerator.process_index
     if zero:
@@ -79,7 +98,8 @@ def train(name: str, out: Path, scenario: str) -> None:
         steps = [{k: h.get(k) for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
         ranks = trainer.accelerator.num_processes
         kind = str(trainer.accelerator.distributed_type)
-        (out / f"{name}.json").write_text(json.dumps({"ranks": ranks, "distributed_type": kind, "steps": steps}))
+        record = {"ranks": ranks, "distributed_type": kind, "steps": steps, "packed_forwards": len(packed)}
+        (out / f"{name}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,14 @@ def test_two_ranks_skip_zero_advantage_sequences_in_step_with_grpo_trainer(tmp_p
         ranks = [json.loads((tmp_path / f"{name}-rank{r}-zeros.json").read_text()) for r in (0, 1)]
         one_wholly_other_not = [(a[0] == a[1]) != (b[0] == b[1]) for a, b in zip(*ranks, strict=True)]
         assert any(one_wholly_other_not), ranks  # the case under test occurred: a stand-in row on one rank
+
+
+def test_two_ranks_packed_with_unlike_lengths(tmp_path):
+    """Rank 0's completions up to 24 tokens, rank 1's at most 3, gradient accumulation 2: CompiledGRPOTrainer's
+    packed steps (it packs: counted) end every step with GRPOTrainer's loss and gradient norm, and no rank waits."""
+    launch(tmp_path, "long")
+    grpo, ours = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("grpo", "compiled"))
+    assert len(ours["steps"]) == len(grpo["steps"]) == 3 and ours["packed_forwards"] >= 6
+    for step, (a, b) in enumerate(zip(ours["steps"], grpo["steps"], strict=True)):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"step {step} {key}: {a[key]} vs {b[key]}"

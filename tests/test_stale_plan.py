@@ -1,5 +1,5 @@
 """A row plan holds only for the advantages it was read from. The rows at advantage 0 are found when a generation
-batch is made (`zero_advantage.annotate`, in `_prepare_inputs`); a subclass that reshapes advantages afterwards (in
+batch is made (`plan.annotate`, in `_prepare_inputs`); a subclass that reshapes advantages afterwards (in
 its `_compute_loss`, say) hands the loss other advantages. Whether the tensor is replaced or changed in place, the
 micro-batch is planned again: loss, every gradient and every metric equal GRPOTrainer's on the changed advantages,
 in both skip modes, and three optimizer steps end at its parameters. Trusting the stale plan turns them red."""
@@ -12,7 +12,7 @@ from test_integration_trl import loss_and_grads, make_trainer, micro_batch
 from test_skip_zero_advantage import ZEROS, assert_same, skipping_trainer, tiny_qwen2, trl_loss, with_zeros
 from trl import GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, zero_advantage
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan
 
 
 def reshape_advantages(inputs: dict, how: str) -> None:
@@ -29,7 +29,7 @@ def reshape_advantages(inputs: dict, how: str) -> None:
 
 def planned_then_reshaped(trainer, how: str) -> dict:
     inputs = with_zeros(micro_batch(), ZEROS["some"], trainer)
-    zero_advantage.annotate(trainer, [inputs])  # as `_prepare_inputs` plans a new generation batch
+    plan.annotate(trainer, [inputs], with_zeros=True)  # as `_prepare_inputs` plans a new generation batch
     reshape_advantages(inputs, how)
     return inputs
 
@@ -50,15 +50,15 @@ def test_an_unchanged_micro_batch_keeps_its_plan(tmp_path, monkeypatch):
     """The check costs no read-back where nothing changed: the plan found with the generation batch serves."""
     trainer = skipping_trainer(tmp_path)
     inputs = with_zeros(micro_batch(), ZEROS["some"], trainer)
-    zero_advantage.annotate(trainer, [inputs])
-    monkeypatch.setattr(zero_advantage, "zero_rows", lambda *a: pytest.fail("planned again"))
+    plan.annotate(trainer, [inputs], with_zeros=True)
+    monkeypatch.setattr(plan, "read", lambda *a, **k: pytest.fail("planned again"))
     loss_and_grads(trainer._compute_loss, trainer, inputs)
 
 
 @pytest.mark.parametrize("mode", ["backward", "all"])
 def test_a_stale_plan_trusted_drops_gradients(tmp_path, monkeypatch, mode):
     """The check's sabotage: trusting the plan made before the change gives other gradients than TRL's."""
-    monkeypatch.setattr(zero_advantage.ZeroRows, "fits", lambda self, advantages: True)
+    monkeypatch.setattr(plan.ZeroRows, "fits", lambda self, advantages: True)
     trainer = skipping_trainer(tmp_path, mode)
     inputs = planned_then_reshaped(trainer, "replaced")
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
@@ -101,3 +101,35 @@ def test_a_subclass_reshaping_advantages_trains_as_grpo_trainer(tmp_path, mode):
         trained.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     for name, theirs in trained[0].items():
         torch.testing.assert_close(trained[1][name], theirs, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def masks_changed_after_planning(trainer) -> dict:
+    """A micro-batch planned, then its masks changed in place: a completion cut short, a prompt token padded."""
+    inputs = micro_batch()
+    plan.annotate(trainer, [inputs], with_zeros=trainer.skip_reason is None)
+    inputs["completion_mask"][0, 2:] = 0
+    inputs["prompt_mask"][1, 0] = 0
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum().double()
+    return inputs
+
+
+@pytest.mark.parametrize("padding_free", ["auto", "trim"])
+def test_changed_masks_are_planned_again(tmp_path, padding_free):
+    """The real spans a plan holds are read again where the masks changed: packed or trimmed, TRL's step."""
+    trainer = skipping_trainer(tmp_path, "off", loss_type="dapo")
+    trainer.padding_free_mode = padding_free
+    inputs = masks_changed_after_planning(trainer)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
+    ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    assert_same(ours, theirs)
+
+
+def test_stale_spans_trusted_change_the_step(tmp_path, monkeypatch):
+    """The check's sabotage: trusting the spans read before the change packs tokens the masks now exclude."""
+    monkeypatch.setattr(plan.Lengths, "fits", lambda self, inputs: True)
+    trainer = skipping_trainer(tmp_path, "off", loss_type="dapo")
+    inputs = masks_changed_after_planning(trainer)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
+    ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    with pytest.raises(AssertionError):
+        assert_same(ours, theirs)
