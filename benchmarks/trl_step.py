@@ -93,7 +93,11 @@ class WaitingGRPOTrainer(GRPOTrainer):
 
 # kind: (top_entropy_quantile, groups at advantage 0 of every four)
 BATCHES = {"dense": (1.0, 0), "q0.2": (0.2, 0), "half0": (1.0, 2), "zero75": (1.0, 3), "both": (0.2, 2),
-           "varied": (1.0, 0)}  # fmt: skip
+           "varied": (1.0, 0), "tail": (1.0, 0), "tail-half0": (1.0, 2)}  # fmt: skip
+# `tail` completion lengths: lognormal, median TAIL_MEDIAN x the completion length, sigma TAIL_SIGMA, clipped to
+# [TAIL_SHORTEST, completion length]; the batch's first row truncated at the completion length (so GRPOTrainer pads
+# every micro-batch to it)
+TAIL_MEDIAN, TAIL_SIGMA, TAIL_SHORTEST = 0.3, 0.6, 32
 VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
@@ -129,6 +133,12 @@ TRAINERS = {  # name: (trainer, its options)
     "skip-all": (CompiledGRPOTrainer, {"skip_zero_advantage": "all"}),
     "skip-backward": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}),
     "noskip": (CompiledGRPOTrainer, {"skip_zero_advantage": False}),
+    # real tokens only: the default packs (FlexAttention or SDPA by hidden size on a GPU); forced choices, trimming
+    # alone, and TRL's padded forward
+    "packed-sdpa": (CompiledGRPOTrainer, {"packed_attention": "sdpa"}),
+    "packed-flex": (CompiledGRPOTrainer, {"packed_attention": "flex_attention"}),
+    "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
+    "padded": (CompiledGRPOTrainer, {"padding_free": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
     "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
     "rounded-captured": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True, "capture": True}}),
@@ -162,6 +172,10 @@ LABELS = {
     "skip-all": "CompiledGRPOTrainer, skip_zero_advantage='all'",
     "skip-backward": "CompiledGRPOTrainer, skip_zero_advantage='backward'",
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
+    "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
+    "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
+    "trim": "CompiledGRPOTrainer, padding_free='trim'",
+    "padded": "CompiledGRPOTrainer, padding_free=False (TRL's padded forward)",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
     "rounded-captured": "CompiledGRPOTrainer auto, round_logits=True, captured calls",
     "grpo-fp32": "GRPOTrainer, cast_lm_head_to_fp32=True",
@@ -216,10 +230,33 @@ def micro_batch(vocab: int, device, B: int, zeros: int, P=64, C=1024, seed=0, gr
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+def tail_lengths(n: int, C: int, seed: int = 0) -> torch.Tensor:
+    """`n` completion lengths of the `tail` kinds (the first at C: a truncated completion)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (TAIL_MEDIAN * C * torch.exp(TAIL_SIGMA * torch.randn(n, generator=g))).clamp(min(TAIL_SHORTEST, C), C)
+    lengths = lengths.long()
+    lengths[0] = C
+    return lengths
+
+
+def with_tail(inputs: dict, seed: int = 0) -> dict:
+    """`inputs` with `tail_lengths` completions (right-padded masks)."""
+    B, C = inputs["completion_ids"].shape
+    lengths = tail_lengths(B, C, seed).to(inputs["completion_mask"].device)
+    mask = (torch.arange(C, device=lengths.device) < lengths[:, None]).long()
+    return {**inputs, "completion_mask": mask, "num_items_in_batch": mask.sum().float()}
+
+
+def real_tokens(inputs: dict) -> int:
+    return int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+
+
 def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
     """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
     completion a random length between half the batch's longest and it (one row at the longest)."""
     _, zeros = BATCHES[kind]
+    if kind.startswith("tail"):
+        return [with_tail(micro_batch(vocab, device, B, zeros, C=C))]
     if kind != "varied":
         return [micro_batch(vocab, device, B, zeros, C=C)]
     batches = []
@@ -411,9 +448,13 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
         if skipping:
             zero_advantage.annotate(skipping[0], batches)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
+        setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
         return f"{args.model} {kind} x{size}", steps, trainers
     count, optimizer = args.generation, setup["optimizer"]
     generation = micro_batch(vocab, device, size * count, zeros, C=completion, group=4)
+    if kind.startswith("tail"):
+        generation = with_tail(generation)
+    setup["real_tokens"] = real_tokens(generation)
     trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, count) for name in names}
     steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
@@ -440,7 +481,8 @@ def sweep(args) -> None:
             # every micro-batch twice before timing (a captured call's first two calls of a layout warm and capture)
             warmups = 2 if args.generation else 2 * (len(VARIED_LONGEST) if kind == "varied" else 1)
             for method, measured in timed(steps, args.repeats, on_gpu, reset, warmups).items():
-                row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method}
+                row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method,
+                       "real_tokens": setup["real_tokens"]}  # fmt: skip
                 if args.generation:
                     row["micro_batches"] = args.generation
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
@@ -494,7 +536,37 @@ def report(args) -> None:
     named = [{**r, "method": LABELS.get(r["method"], r["method"])} for r in rows]
     title = f"TRL step, {versions.get('gpu')}: _compute_loss + backward (dashed line: the backbone alone)"
     plots.draw(named, out / "trl-step.png", title)
+    if any(r.get("real_tokens") and r.get("micro_batches") for r in rows):
+        lines += ["![step time against real tokens per step](trl-step-tokens.png)", ""]
+        (out / "trl-step.md").write_text("\n".join(lines))
+        draw_against_tokens([r for r in rows if r.get("micro_batches")], out / "trl-step-tokens.png", versions)
     print("\n".join(lines))
+
+
+def draw_against_tokens(rows: list[dict], path: Path, versions: dict) -> None:
+    """Optimizer-step time against the real (prompt and completion) tokens per step, one panel per model, a line per
+    method across the batch kinds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model and "ms" in r]
+        for method in dict.fromkeys(r["method"] for r in mine):
+            points = sorted((r["real_tokens"], r["ms"], r["batch"]) for r in mine if r["method"] == method)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=LABELS.get(method, method))
+            for x, y, kind in points if method == "grpo" else ():
+                ax.annotate(kind, (x, y), fontsize=7)
+        ax.set(title=model, xlabel="real tokens per optimizer step", ylabel="ms per optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"Optimizer step against real tokens, {versions.get('gpu')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def cell(mine: dict, name: str) -> str:
