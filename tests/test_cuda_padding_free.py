@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from test_integration_trl import VOCAB, digit_reward, loss_and_grads, tokenizer
-from test_padding_free import B, C, COMPLETIONS, PROMPTS, varied_batch
+from test_padding_free import COMPLETIONS, PROMPTS, B, C, varied_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
@@ -27,7 +27,8 @@ def model_on_gpu(attention: str):
 
 def gpu_trainer(tmp_path, attention: str) -> CompiledGRPOTrainer:
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
-                      max_completion_length=C, bf16=True, report_to=[], save_strategy="no", loss_type="dapo")  # fmt: skip
+                      max_completion_length=C, bf16=True, report_to=[], save_strategy="no",
+                      loss_type="dapo")  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a b c"] * B})
     trainer = CompiledGRPOTrainer(model=model_on_gpu("sdpa"), reward_funcs=digit_reward, args=args,
                                   train_dataset=data, processing_class=tokenizer(), packed_attention=attention,
