@@ -195,3 +195,32 @@ def test_trim_only_equals_trl(tmp_path, packed_calls):
 def test_bad_options_are_refused(bad):
     with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
         CompiledGRPOTrainer(model=None, **bad)  # refused before the model is read
+
+
+def test_bucketed_lengths_compile_a_bounded_number_of_graphs(tmp_path):
+    """50 steps of random prompt and completion lengths (29 to 65 real tokens) on a compiled backbone (static shapes)
+    and the compiled loss: the backbone sees packed rows of 64 or 128 tokens only, and dynamo compiles new graphs
+    only in the first steps (the loss's tile variants) and where a new bucket first appears (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    trainer = trainer_for(tmp_path, loss_type="dapo")
+    trainer.fused_loss = type(trainer.fused_loss)(compiled=True, **trainer.fused_loss.config.__dict__)
+    trainer.packed_bucket = 64
+    seen = []
+    record = lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1])  # noqa: E731
+    trainer.model.model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.model.model = torch.compile(trainer.model.model, dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    graphs = counters["stats"]["unique_graphs"]
+    for step in range(50):
+        prompt, completion = torch.randint(1, P + 1, (B,), generator=g), torch.randint(1, C + 1, (B,), generator=g)
+        inputs = varied_batch(seed=step)
+        inputs["prompt_mask"] = (torch.arange(P) >= P - prompt[:, None]).long()
+        inputs["completion_mask"] = (torch.arange(C) < completion[:, None]).long()
+        inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
+        lengths_before = set(seen)
+        trainer._compute_loss(trainer.model, inputs).backward()
+        new = counters["stats"]["unique_graphs"] - graphs
+        graphs += new
+        assert step < 3 or not new or not set(seen) <= lengths_before, f"step {step}: {new} new graphs"
+    assert trainer.packing_refused == "" and set(seen) == {64, 128}

@@ -73,7 +73,7 @@ def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
     if trainer.padding_free_mode != "auto":
         return False
     if trainer.packing_refused is None:
-        trainer.packing_refused = packing_fails(forward, ids, lengths) or ""
+        trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_bucket) or ""
         if trainer.packing_refused:
             say_once(trainer, f"{trainer.packing_refused}; micro-batches are trimmed instead of packed")
     if trainer.aux_loss_enabled:
@@ -113,17 +113,19 @@ def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: i
     return hidden, outputs, targets(lengths, loss_rows, starts[loss_rows], width, hidden.device)
 
 
-def packing_fails(forward, ids: torch.Tensor, lengths: Lengths) -> str | None:
+def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int = 1) -> str | None:
     """Why this model cannot be packed (None: it can): two sequences (the first `CHECK_TOKENS` real tokens of the
-    micro-batch's first two rows, or of its one row twice) packed, against each forwarded alone, no grad."""
+    micro-batch's first two rows, or of its one row twice) packed, against each forwarded alone, no grad; each row
+    padded to a multiple of `bucket`, as the trainer's are (so a compiled backbone meets no new shape)."""
     rows = torch.tensor([0, min(1, len(lengths.prompt) - 1)])
     prompt = lengths.prompt[rows].clamp(max=CHECK_TOKENS // 2)
     short = lengths._replace(prompt=lengths.prompt.clone(), completion=lengths.completion.clone())
     short.prompt[rows] = prompt
     short.completion[rows] = lengths.completion[rows].clamp(max=CHECK_TOKENS - prompt)
+    spans = (short.prompt[rows] + short.completion[rows]).tolist()
     with torch.no_grad():
-        both, _ = forward(pack(ids, short, rows, 1))
-        alone = [forward(pack(ids, short, rows[i : i + 1], 1))[0] for i in range(2)]
+        both = forward(pack(ids, short, rows, bucket))[0][: sum(spans)]
+        alone = [forward(pack(ids, short, rows[i : i + 1], bucket))[0][: spans[i]] for i in range(2)]
     joined = torch.cat(alone).float()
     error = float((both.float() - joined).norm() / joined.norm().clamp(min=1e-30))
     bound = 1e-4 if both.dtype in (torch.float32, torch.float64) else 3e-2
