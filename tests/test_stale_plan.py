@@ -128,6 +128,7 @@ def test_stale_spans_trusted_change_the_step(tmp_path, monkeypatch):
     """The check's sabotage: trusting the spans read before the change packs tokens the masks now exclude."""
     monkeypatch.setattr(plan.Lengths, "fits", lambda self, inputs: True)
     trainer = skipping_trainer(tmp_path, "off", loss_type="dapo")
+    trainer.padding_free_mode = "auto"
     inputs = masks_changed_after_planning(trainer)
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
     ours = loss_and_grads(trainer._compute_loss, trainer, inputs)

@@ -14,14 +14,21 @@ import warnings
 
 import torch
 
+from . import zero_advantage
 from .hidden_states import hidden_states_at_head
 from .packing import PackedRows, can_pack, pack, targets
 from .plan import Lengths
 
 MODES = ("auto", "trim", False)
-# Measured on an H200 (Qwen2.5 shapes, docs/performance.md): FlexAttention's packed forward and backward beat SDPA's
-# from hidden size 1536 up; below it SDPA is faster. FlashAttention, where the model already uses it, is kept.
-FLEX_HIDDEN_SIZE = 1536
+# Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed lengths, docs/performance.md): FlexAttention's
+# packed step beat SDPA's at 7B (hidden size 3584), SDPA's beat it at 1.5B (1536). FlashAttention, where the model
+# already uses it, is kept.
+FLEX_HIDDEN_SIZE = 2048
+# A micro-batch packs only where its real tokens fill at most this share of its trimmed [B, prompt + completion]
+# area: a packed row's attention covers every real token against every other (SDPA with the packed mask) or its
+# diagonal blocks (FlexAttention), which costs more than the causal attention of a batch with little padding (7B,
+# no padding: packed 0.70x GRPOTrainer's step with SDPA, 0.97x with FlexAttention; trimmed 1.01x).
+PACK_BELOW = 0.9
 # The real tokens of each of the two sequences the model check packs.
 CHECK_TOKENS = 24
 
@@ -69,7 +76,8 @@ def attention_as(model, name: str | None):
 
 def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
     """Whether this micro-batch runs packed: `padding_free="auto"`, the model passed its check (made at the first
-    call, on every rank alike), no MoE auxiliary loss, and rows whose real tokens are one span each."""
+    call, on every rank alike), no MoE auxiliary loss, rows whose real tokens are one span each, and padding enough
+    to remove (`padded_enough`)."""
     if trainer.padding_free_mode != "auto":
         return False
     if trainer.packing_refused is None:
@@ -83,7 +91,14 @@ def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
     if not can_pack(lengths):
         say_once(trainer, "a micro-batch is trimmed, not packed: a row's masks have a hole, or a row has no prompt")
         return False
-    return not trainer.packing_refused
+    return not trainer.packing_refused and padded_enough(lengths)
+
+
+def padded_enough(lengths: Lengths) -> bool:
+    """Whether the micro-batch's real tokens fill at most `PACK_BELOW` of its trimmed area (else trimming serves)."""
+    real = int(lengths.prompt.sum() + lengths.completion.sum())
+    area = len(lengths.prompt) * (int(lengths.prompt.max()) + int(lengths.completion.max()))
+    return real <= PACK_BELOW * area
 
 
 def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: int):
@@ -151,3 +166,16 @@ def say_once(trainer, message: str) -> None:
     if message not in said:
         said.add(message)
         warnings.warn(f"compiled_grpo: {message}", PaddingFreeNotice, stacklevel=3)
+
+
+def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None, plan):
+    """(final hidden states, the model's outputs, the loss rows' packed targets or None): packed where the
+    micro-batch can be (`packs`), else `padded(rows)` on its rows as given (trimmed where
+    `lengths` is known), split by the row plan."""
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    rows_forward = packed_ids_forward(model, unwrapped.get_output_embeddings(), {})
+    ids = model_inputs["input_ids"]
+    if lengths is not None and packs(trainer, rows_forward, ids, lengths):
+        with attention_as(unwrapped, trainer.packed_attention):
+            return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket)
+    return (*zero_advantage.split_forward(padded, model_inputs, plan), None)

@@ -15,7 +15,7 @@ from .packing import pack, targets
 from .plan import Lengths, real_spans
 
 
-def per_token_logps(trainer, padded, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+def per_token_logps(trainer, padded, model, input_ids, attention_mask, logits_to_keep, *, batch_size=None,
                     compute_entropy=False, compute_aux_loss=False, **extra):  # fmt: skip
     """TRL's (log-probs, entropies, aux loss) of `padded` (its own method), on the real tokens where it may."""
     as_given = trainer.padding_free_mode is False or compute_entropy or compute_aux_loss

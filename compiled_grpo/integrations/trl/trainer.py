@@ -111,7 +111,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         padded = lambda rows: completion_hidden_states(model, lm_head, rows, completion_ids.size(1))  # noqa: E731
         with self.accelerator.autocast():
-            hidden, outputs, targets = self._forward(model, padded, model_inputs, lengths, plan)
+            hidden, outputs, targets = real_tokens.forward(self, model, padded, model_inputs, lengths, plan)
             if hidden is None:  # no sequence to train and nothing to log: no forward at all
                 zero_advantage.log_skipped(self, plan, mode)
                 return zero_advantage.zero_gradients_loss(model)
@@ -133,18 +133,6 @@ class CompiledGRPOTrainer(GRPOTrainer):
         if self._entropy_bonus_enabled:
             entropy_bonus.update_entropy_controller(self, out, given["completion_mask"], mode)
         return loss
-
-    def _forward(self, model, padded, model_inputs: dict, lengths, plan):
-        """(final hidden states, the model's outputs, the loss rows' packed targets or None): packed where the
-        micro-batch can be (`real_tokens.packs`), else `padded(rows)` on its rows as given (trimmed where
-        `lengths` is known), split by the row plan."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        forward = real_tokens.packed_ids_forward(model, unwrapped.get_output_embeddings(), {})
-        ids = model_inputs["input_ids"]
-        if lengths is not None and real_tokens.packs(self, forward, ids, lengths):
-            with real_tokens.attention_as(unwrapped, self.packed_attention):
-                return real_tokens.packed_forward(forward, ids, lengths, plan, self.packed_bucket)
-        return (*zero_advantage.split_forward(padded, model_inputs, plan), None)
 
     def _fused_loss(self, hidden, lm_head, inputs: dict, mode) -> GRPOLossOutput:
         """The fused loss of this micro-batch (in eval mode without gradient accumulation, as TRL), padded or packed
@@ -169,21 +157,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
         completion_ids, mask, advantages = inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"]
 
         def compute(weight, bias, hidden):
-            return self._loss_on_head(hidden, weight, bias, (completion_ids, mask, advantages), call)
+            return loss_on_head(self, hidden, (weight, bias), (completion_ids, mask, advantages), call)
 
         return sharded_head.loss_within_head(lm_head, compute, hidden)
-
-    def _loss_on_head(self, hidden, weight, bias, rows: tuple, call: dict) -> GRPOLossOutput:
-        """The fused loss on the lm_head's weight and bias; `rows`: (completion ids, mask, advantages)."""
-        if not self.args.cast_lm_head_to_fp32:
-            return self.fused_loss(hidden, weight, *rows, bias=bias, **call)
-        # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
-        # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
-        if hidden.dtype not in (torch.bfloat16, torch.float16):
-            hidden = hidden.float()  # as TRL casts them (a float64 model's)
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if bias is None else bias.float()
-            return self.fused_loss(hidden, weight.float(), *rows, bias=bias, **call)
 
 
 def widened_hidden_dtype(trainer) -> torch.dtype | None:
@@ -194,3 +170,17 @@ def widened_hidden_dtype(trainer) -> torch.dtype | None:
     head = {id(p) for p in model.get_output_embeddings().parameters()}
     last = [p for p in model.parameters() if id(p) not in head and p.is_floating_point()][-1:]
     return last[0].dtype if last and last[0].dtype in (torch.bfloat16, torch.float16) else None
+
+
+def loss_on_head(trainer, hidden, head: tuple, rows: tuple, call: dict) -> GRPOLossOutput:
+    """The trainer's fused loss on the lm_head's (weight, bias); `rows`: (completion ids, mask, advantages)."""
+    weight, bias = head
+    if not trainer.args.cast_lm_head_to_fp32:
+        return trainer.fused_loss(hidden, weight, *rows, bias=bias, **call)
+    # the fp32 head: the float32 weight against the hidden states as they are (16-bit ones are widened by the
+    # loss, exactly, and its products come from bf16 terms on a GPU), autocast off as TRL computes it
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        hidden = hidden.float()  # as TRL casts them (a float64 model's)
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if bias is None else bias.float()
+        return trainer.fused_loss(hidden, weight.float(), *rows, bias=bias, **call)
