@@ -46,7 +46,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, settle, zero_advantage
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan, settle
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -443,10 +443,12 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
     if not args.generation:
         batches = micro_batches(vocab, device, size, kind, C=completion)
         trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
-        skipping = [t for t in trainers.values() if getattr(t, "skip_reason", "") is None]
-        # the rows at advantage 0 found before timing, as in training when the generation batch is made
-        if skipping:
-            zero_advantage.annotate(skipping[0], batches)
+        compiled = [t for t in trainers.values() if isinstance(t, CompiledGRPOTrainer)]
+        # the micro-batches' plans (rows at advantage 0, real spans) made before timing, as in training when the
+        # generation batch is made
+        if compiled:
+            zeros_read = any(t.skip_reason is None for t in compiled)
+            plan.annotate(compiled[0], batches, with_zeros=zeros_read)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
         return f"{args.model} {kind} x{size}", steps, trainers
