@@ -172,10 +172,14 @@ def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:
 
 
 def check_packed_values(segment_ids, row_index, rows: int, sequences: int) -> None:
-    """Host-syncing checks: sequence ids in [0, num_sequences), rows of hidden in range."""
-    if segment_ids.numel() and (int(segment_ids.min()) < 0 or int(segment_ids.max()) >= sequences):
+    """Host-syncing checks (one wait): sequence ids in [0, num_sequences), rows of hidden in range."""
+    bounds = [x for x in (segment_ids, row_index) if x is not None and x.numel()]
+    if not bounds:
+        return
+    values = torch.stack([v for x in bounds for v in (x.min(), x.max())]).tolist()
+    if segment_ids.numel() and (values[0] < 0 or values[1] >= sequences):
         _fail("segment_ids", f"values must lie in [0, num_sequences={sequences})")
-    if row_index is not None and row_index.numel() and (int(row_index.min()) < 0 or int(row_index.max()) >= rows):
+    if row_index is not None and row_index.numel() and (values[-2] < 0 or values[-1] >= rows):
         _fail("row_index", f"values must lie in [0, {rows}) (rows of hidden)")
 
 

@@ -78,7 +78,7 @@ def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int) -
     pad = -total % bucket if total else bucket
     flat = torch.cat([flat, torch.full((pad,), int(rows[0]) * ids.shape[1] + P - 1 if len(rows) else 0)])
     positions = torch.cat([within, torch.arange(pad)])
-    index = torch.stack([flat, positions]).to(ids.device, non_blocking=True)
+    index = to_device(torch.stack([flat, positions]), ids.device)
     packed_ids = ids.reshape(-1).index_select(0, index[0]).unsqueeze(0)
     return PackedRows(packed_ids, index[1].unsqueeze(0), starts)
 
@@ -100,8 +100,16 @@ def targets(lengths: Lengths, rows: torch.Tensor, starts: torch.Tensor, width: i
     sequence = torch.repeat_interleave(torch.arange(len(rows)), completion)
     j = torch.arange(int(completion.sum())) - (torch.cumsum(completion, 0) - completion)[sequence]
     predicting = starts[sequence] + prompt[sequence] + j - 1
-    index = torch.stack([sequence * width + j, sequence, predicting]).to(device, non_blocking=True)
+    index = to_device(torch.stack([sequence * width + j, sequence, predicting]), device)
     return Targets(index[0], index[1], index[2], len(rows))
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without a wait: copied from pinned memory on a GPU (a copy from pageable memory
+    first waits for every kernel queued before it)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def per_target(inputs: dict, mask: torch.Tensor, t: Targets) -> dict:
