@@ -32,7 +32,7 @@ def gpu_trainer(tmp_path, attention: str) -> CompiledGRPOTrainer:
     data = Dataset.from_dict({"prompt": ["a b c"] * B})
     trainer = CompiledGRPOTrainer(model=model_on_gpu("sdpa"), reward_funcs=digit_reward, args=args,
                                   train_dataset=data, processing_class=tokenizer(), packed_attention=attention,
-                                  skip_zero_advantage=False)  # fmt: skip
+                                  skip_zero_advantage=False, padding_free="pack")  # fmt: skip
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer

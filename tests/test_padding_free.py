@@ -65,6 +65,7 @@ def packed_calls(monkeypatch):
 
 def trainer_for(tmp_path, skip="off", accumulation=2, **settings):
     trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_qwen2(), skip=skip, **settings)
+    trainer.padding_free_mode = "pack"  # "auto" packs on a GPU from hidden size 2048 only (trims here)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = accumulation
     return trainer
@@ -188,6 +189,13 @@ def test_trim_only_equals_trl(tmp_path, packed_calls):
     ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
     assert not packed_calls
     assert_same(ours, theirs)
+
+
+def test_auto_packs_on_a_gpu_from_hidden_size_2048_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert padding_free.effective_mode("auto", 3584, cuda) == "pack"
+    assert padding_free.effective_mode("auto", 1536, cuda) == padding_free.effective_mode("auto", 3584, cpu) == "trim"
+    assert padding_free.effective_mode(False, 3584, cuda) is False
 
 
 @pytest.mark.parametrize("bad", [{"padding_free": "yes"}, {"padding_free": 1}, {"packed_bucket": 0},

@@ -113,7 +113,7 @@ def masks_changed_after_planning(trainer) -> dict:
     return inputs
 
 
-@pytest.mark.parametrize("padding_free", ["auto", "trim"])
+@pytest.mark.parametrize("padding_free", ["pack", "trim"])
 def test_changed_masks_are_planned_again(tmp_path, padding_free):
     """The real spans a plan holds are read again where the masks changed: packed or trimmed, TRL's step."""
     trainer = skipping_trainer(tmp_path, "off", loss_type="dapo")
@@ -128,7 +128,7 @@ def test_stale_spans_trusted_change_the_step(tmp_path, monkeypatch):
     """The check's sabotage: trusting the spans read before the change packs tokens the masks now exclude."""
     monkeypatch.setattr(plan.Lengths, "fits", lambda self, inputs: True)
     trainer = skipping_trainer(tmp_path, "off", loss_type="dapo")
-    trainer.padding_free_mode = "auto"
+    trainer.padding_free_mode = "pack"
     inputs = masks_changed_after_planning(trainer)
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
     ours = loss_and_grads(trainer._compute_loss, trainer, inputs)

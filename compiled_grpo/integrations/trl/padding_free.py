@@ -1,7 +1,8 @@
 """CompiledGRPOTrainer's forwards on real tokens only (`packing`): the choice, the model check, the packed forwards.
 
-`padding_free="auto"` (the default) packs each micro-batch where the model keeps packed sequences apart (checked
-once per trainer, `packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward.
+`padding_free="pack"` packs each micro-batch where the model keeps packed sequences apart (checked once per trainer,
+`packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward; `"auto"` (the default)
+is "pack" on a GPU from hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
 Packed forwards run under the attention implementation `attention_for` picks (only while they run: generation and
 every other forward keep the model's own). Not packed, trimmed instead (said once): multimodal inputs (not
 trimmed either), a MoE auxiliary loss (its balance counts every position of the row), rows whose masks have holes.
@@ -19,7 +20,12 @@ from .hidden_states import hidden_states_at_head
 from .packing import PackedRows, can_pack, pack, targets
 from .plan import Lengths
 
-MODES = ("auto", "trim", False)
+MODES = ("auto", "pack", "trim", False)
+# Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed completion lengths, docs/performance.md): packing
+# made the 7B optimizer step 2.01x GRPOTrainer's (trimming 1.23x); at 1.5B it gained no more than trimming (1.12-1.18x
+# against 1.12x) and lost where the row plan splits a micro-batch in two forwards (0.95x against 1.04x); at 0.5B, where
+# the step is bound by the host, it lost (0.84x against trimming's 0.97x).
+PACK_HIDDEN_SIZE = 2048
 # Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed lengths, docs/performance.md): FlexAttention's
 # packed step beat SDPA's at 7B (hidden size 3584), SDPA's beat it at 1.5B (1536). FlashAttention, where the model
 # already uses it, is kept.
@@ -46,6 +52,24 @@ def check_options(mode, attention, bucket) -> None:
         )
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ValueError(f"packed_bucket: expected a positive int (tokens), got {bucket!r}")
+
+
+def configure(trainer, mode, attention, bucket: int) -> None:
+    """The trainer's padding-free settings: its mode, the attention its packed forwards run under, the bucket, and
+    whether the model can pack (None: not checked yet; "": it can; else why not)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    device = trainer.accelerator.device
+    trainer.padding_free_mode = effective_mode(mode, model.config.get_text_config().hidden_size, device)
+    trainer.packed_attention = attention_for(attention, model, device)
+    trainer.packed_bucket = bucket
+    trainer.packing_refused = None
+
+
+def effective_mode(mode, hidden_size: int, device: torch.device):
+    """The mode a trainer runs: "auto" is "pack" on a GPU from hidden size `PACK_HIDDEN_SIZE`, else "trim"."""
+    if mode != "auto":
+        return mode
+    return "pack" if device.type == "cuda" and hidden_size >= PACK_HIDDEN_SIZE else "trim"
 
 
 def attention_for(choice: str | None, model, device: torch.device) -> str | None:
@@ -75,10 +99,10 @@ def attention_as(model, name: str | None):
 
 
 def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
-    """Whether this micro-batch runs packed: `padding_free="auto"`, the model passed its check (made at the first
+    """Whether this micro-batch runs packed: the trainer packs ("pack"), the model passed its check (made at the first
     call, on every rank alike), no MoE auxiliary loss, rows whose real tokens are one span each, and padding enough
     to remove (`padded_enough`)."""
-    if trainer.padding_free_mode != "auto":
+    if trainer.padding_free_mode != "pack":
         return False
     if trainer.packing_refused is None:
         trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_bucket) or ""

@@ -48,10 +48,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
-        self.padding_free_mode, self.packed_bucket = padding_free, packed_bucket
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        self.packed_attention = real_tokens.attention_for(packed_attention, unwrapped, self.accelerator.device)
-        self.packing_refused = None  # why the model cannot pack ("": it can), found at its first packed forward
+        real_tokens.configure(self, padding_free, packed_attention, packed_bucket)
         weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
         # an engine that shards the lm_head gathers it to a new address each call: graphs keyed on it would not serve
         self.shards_parameters = sharded_head.trainer_shards_parameters(self)
