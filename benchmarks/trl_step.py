@@ -546,27 +546,31 @@ def report(args) -> None:
 
 
 def draw_against_tokens(rows: list[dict], path: Path, versions: dict) -> None:
-    """Optimizer-step time against the real (prompt and completion) tokens per step, one panel per model, a line per
-    method across the batch kinds."""
+    """Optimizer-step time against the real (prompt and completion) tokens per step, one panel per model: a colour
+    per method (the same in every panel), a marker per batch kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    kinds = list(dict.fromkeys(r["batch"] for r in rows))
+    colours = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    markers = dict(zip(kinds, "o^sDvP*X", strict=False))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        mine = [r for r in rows if r["model"] == model and "ms" in r]
-        for method in dict.fromkeys(r["method"] for r in mine):
-            points = sorted((r["real_tokens"], r["ms"], r["batch"]) for r in mine if r["method"] == method)
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=LABELS.get(method, method))
-            for x, y, kind in points if method == "grpo" else ():
-                ax.annotate(kind, (x, y), fontsize=7)
-        ax.set(title=model, xlabel="real tokens per optimizer step", ylabel="ms per optimizer step")
+        for r in rows:
+            if r["model"] == model and "ms" in r:
+                ax.scatter(r["real_tokens"] / 1e3, r["ms"], color=colours[r["method"]], marker=markers[r["batch"]])
+        ax.set(title=model, xlabel="real tokens per optimizer step (thousands)", ylabel="ms per optimizer step")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6)
+    handles = [Line2D([], [], color=colours[m], marker="o", ls="", label=LABELS.get(m, m)) for m in methods]
+    handles += [Line2D([], [], color="grey", marker=markers[k], ls="", label=k) for k in kinds]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7)
     fig.suptitle(f"Optimizer step against real tokens, {versions.get('gpu')}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
