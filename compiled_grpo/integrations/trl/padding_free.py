@@ -23,8 +23,9 @@ from .plan import Lengths
 MODES = ("auto", "pack", "trim", False)
 # Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed completion lengths, docs/performance.md): packing
 # made the 7B optimizer step 2.01x GRPOTrainer's (trimming 1.23x); at 1.5B it gained no more than trimming (1.12-1.18x
-# against 1.12x) and lost where the row plan splits a micro-batch in two forwards (0.95x against 1.04x); at 0.5B, where
-# the step is bound by the host, it lost (0.84x against trimming's 0.97x).
+# against 1.12x) and lost where the row plan splits a micro-batch in two forwards (0.90-0.95x against 1.03-1.04x); at
+# 0.5B, where the step is bound by the host, it lost (0.75-0.84x; trimmed 0.78x and padded 1.03x, in runs whose
+# GRPOTrainer step moved by a third between them).
 PACK_HIDDEN_SIZE = 2048
 # Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed lengths, docs/performance.md): FlexAttention's
 # packed step beat SDPA's at 7B (hidden size 3584), SDPA's beat it at 1.5B (1536). FlashAttention, where the model
