@@ -93,22 +93,34 @@ def validate_settings(c: GRPOLossConfig) -> None:
     q = c.top_entropy_quantile
     _require(_finite(q) and 0.0 <= q <= 1.0, "top_entropy_quantile", f"must lie in [0, 1], got {q!r}")
     _require(_finite(c.temperature) and c.temperature > 0, "temperature", f"must be > 0, got {c.temperature!r}")
-    _require(_finite(c.beta), "beta", f"must be a finite number, got {c.beta!r}")
+    _require(_finite(c.beta) and c.beta >= 0, "beta", f"must be >= 0 (a KL penalty's weight), got {c.beta!r}")
     _require(_finite(c.epsilon_low) and c.epsilon_low >= 0, "epsilon_low", f"must be >= 0, got {c.epsilon_low!r}")
     _require(_finite(c.eps_high) and c.eps_high >= 0, "epsilon_high", f"must be >= 0, got {c.epsilon_high!r}")
-    _require(c.delta is None or (_finite(c.delta) and c.delta > 0), "delta", f"must be > 0 or None, got {c.delta!r}")
+    _require(
+        c.delta is None or (_finite(c.delta) and c.delta > 1),
+        "delta",
+        f"must be > 1 (an upper bound on the ratio, above 1 + epsilon_high in use) or None, got {c.delta!r}",
+    )
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         v = getattr(c, name)
         _require(_finite(v) and v > 0, name, f"must be > 0, got {v!r}")
-    for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
-        _require(_finite(getattr(c, name)), name, f"must be a finite number, got {getattr(c, name)!r}")
+    for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        v = getattr(c, name)
+        _require(_finite(v) and v >= 0, name, f"must be >= 0 (a gamma weight's shape or rate), got {v!r}")
+    _require(_finite(c.entropy_coef), "entropy_coef", f"must be a finite number, got {c.entropy_coef!r}")
     if c.loss_type == "dr_grpo":
         _require(c.max_completion_length is not None, "max_completion_length", "is required for loss_type='dr_grpo'")
     m = c.max_completion_length
     _require(m is None or (isinstance(m, int) and m > 0), "max_completion_length", f"must be a positive int, got {m!r}")
     t = c.off_policy_mask_threshold
-    _require(t is None or _finite(t), "off_policy_mask_threshold", f"must be a finite number or None, got {t!r}")
-    _require(_finite(c.logit_scale), "logit_scale", f"must be a finite number, got {c.logit_scale!r}")
+    _require(
+        t is None or (_finite(t) and t >= 0),
+        "off_policy_mask_threshold",
+        f"must be >= 0 (a bound on a KL divergence) or None, got {t!r}",
+    )
+    _require(
+        _finite(c.logit_scale) and c.logit_scale > 0, "logit_scale", f"must be > 0 and finite, got {c.logit_scale!r}"
+    )
     cap = c.final_logit_softcapping
     _require(cap is None or (_finite(cap) and cap > 0), "final_logit_softcapping", f"must be > 0 or None, got {cap!r}")
     warn_where_trl_warns(c)

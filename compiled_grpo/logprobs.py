@@ -28,7 +28,7 @@ from .capture import Captures
 from .faults import Deferred, Faults
 from .head import Head, VocabShard, device_constant
 from .kernels import Kernels
-from .primitive_checks import check_inputs, value_checks
+from .primitive_checks import check_inputs, check_options, value_checks
 from .schedules.passes import Engine, statistics_pass
 from .schedules.recompute import StatisticsThenRecompute, stream_statistics
 from .schedules.sparse_gradients import StatisticsThenSparseGradients
@@ -97,6 +97,7 @@ def fused_linear_logprobs(
 
 def logprobs_of_call(hidden, weight, targets, bias, options: Options, *, entropy: bool, extras: bool = False):
     """(LogProbs, ExtraStatistics or None): the statistics pass with its recomputing backward, checked."""
+    check_options(options, entropy)
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
     function = StatisticsThenRecompute if parallel else StatisticsThenSparseGradients
@@ -215,6 +216,7 @@ class Options(NamedTuple):
 
 def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     """Checks, autocast casts, the tile plan over the positions with a target, and the head."""
+    check_options(o, entropy=True)
     check_inputs(hidden, weight, targets, bias, o.temperature)
     hidden, weight, bias = under_autocast(hidden, weight, bias)
     split = products.splits(hidden, weight)

@@ -3,9 +3,12 @@ flags, read where the host waits anyway): a ValueError or TypeError naming the a
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-from . import checks, distributed
+from . import checks, distributed, options
 from .faults import Faults
 
 
@@ -37,6 +40,26 @@ def check_inputs(hidden, weight, targets, bias, temperature) -> None:
     for name, x in named.items():
         if x is not None and x.device != hidden.device:
             raise TypeError(f"{name}: is on {x.device}, hidden on {hidden.device}: every input must be on one device")
+
+
+def check_options(o, entropy: bool) -> None:
+    """The call's options, checked as the loss checks its own (same messages): flags are bools, ignore_index an int,
+    logit_scale finite and > 0, final_logit_softcapping None or finite and > 0, vocab_start an int."""
+    options.check_flags(entropy=entropy, compiled=o.compiled, validate=o.validate, capture=o.capture,
+                        round_logits=o.round_logits)  # fmt: skip
+    for name in ("ignore_index", "vocab_start"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {value!r}")
+    scale, cap = o.logit_scale, o.final_logit_softcapping
+    if not finite_number(scale) or scale <= 0:
+        raise ValueError(f"logit_scale must be > 0 and finite, got {scale!r}")
+    if cap is not None and (not finite_number(cap) or cap <= 0):
+        raise ValueError(f"final_logit_softcapping must be > 0 or None, got {cap!r}")
+
+
+def finite_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_temperature_shape(temperature: torch.Tensor, targets: torch.Tensor) -> None:

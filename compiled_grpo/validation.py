@@ -59,6 +59,8 @@ def check_shapes(inputs) -> None:
         _fail("completion_ids", f"expected an integer dtype, got {ids.dtype}", TypeError)
     if advantages.shape not in ((B,), (B, 1), (B, T)):
         _fail("advantages", f"expected [{B}], [{B}, 1] or [{B}, {T}], got {tuple(advantages.shape)}")
+    if advantages.dtype == torch.bool or advantages.dtype.is_complex:
+        _fail("advantages", f"expected real numbers, got {advantages.dtype} (a bool would read as 1 and 0)", TypeError)
     for name, x in inputs.per_token().items():
         if x is not None:
             _is_tensor(x, name)

@@ -29,6 +29,17 @@ from compiled_grpo.loss import CONSTRUCTOR_OPTIONS
         ({"epsilon_low": -0.1}, "epsilon_low"),
         ({"epsilon_high": -0.1}, "epsilon_high"),
         ({"final_logit_softcapping": 0.0}, "final_logit_softcapping"),
+        # settings that make the loss meaningless: refused with the reason
+        ({"beta": -0.1}, "beta must be >= 0"),
+        ({"delta": 0.5}, "delta must be > 1"),
+        ({"delta": 1.0}, "delta must be > 1"),
+        ({"vespo_k_pos": -1.0}, "vespo_k_pos must be >= 0"),
+        ({"vespo_lambda_pos": -1.0}, "vespo_lambda_pos must be >= 0"),
+        ({"vespo_k_neg": -1.0}, "vespo_k_neg"),
+        ({"vespo_lambda_neg": -0.5}, "vespo_lambda_neg"),
+        ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold must be >= 0"),
+        ({"logit_scale": 0.0}, "logit_scale must be > 0"),
+        ({"logit_scale": float("nan")}, "logit_scale"),
     ],
 )
 def test_bad_settings(settings, name):
@@ -81,6 +92,7 @@ def test_bad_inputs_name_the_argument():
     bad(x, "completion_ids", completion_ids=x["completion_ids"].float())
     bad(x, "completion_mask", completion_mask=x["completion_mask"][:-1])
     bad(x, "advantages", advantages=torch.zeros(B + 1))
+    bad(x, "advantages", advantages=torch.ones(B, dtype=torch.bool))
     bad(x, "old_per_token_logps", old_per_token_logps=torch.zeros(B, T + 1))
     bad(x, "importance_sampling_ratio", importance_sampling_ratio=torch.ones(B, 2))
     bad(x, "ref_hidden", ref_hidden=x["hidden"][:, :-1])

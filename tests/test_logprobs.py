@@ -274,11 +274,25 @@ def test_bad_inputs_name_the_argument():
         ({"ignore_idx": 5}, "did you mean 'ignore_index'"),
         ({"temperature": torch.ones(3)}, r"temperature: expected a scalar or a tensor with targets' 2 dimensions"),
         ({"temperature": torch.ones(3, 37, 1)}, "temperature"),
+        # options checked as the loss checks its own, with the same messages
+        ({"entropy": "no"}, "entropy: expected True or False"),
+        ({"validate": "no"}, "validate: expected True or False"),
+        ({"round_logits": "no"}, "round_logits: expected True or False"),
+        ({"capture": 1}, "capture: expected True or False"),
+        ({"ignore_index": None}, "ignore_index: expected an int"),
+        ({"ignore_index": "x"}, "ignore_index: expected an int"),
+        ({"ignore_index": -1.5}, "ignore_index: expected an int"),
+        ({"final_logit_softcapping": 0.0}, "final_logit_softcapping must be > 0"),
+        ({"final_logit_softcapping": -5.0}, "final_logit_softcapping must be > 0"),
+        ({"logit_scale": 0.0}, "logit_scale must be > 0"),
+        ({"logit_scale": float("nan")}, "logit_scale must be > 0 and finite"),
     ]
     for change, name in cases:
         args = {"hidden": hidden, "weight": weight, "targets": targets, "bias": bias, **change}
         with pytest.raises((ValueError, TypeError), match=name):
             fused_linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), compiled=False, **args)
+    with pytest.raises(TypeError, match="compiled: expected True or False"):
+        fused_linear_logprobs(hidden, weight, targets, compiled="yes")
     bad_weight = weight.clone()
     bad_weight[3, 2] = float("nan")
     with pytest.raises(ValueError, match="weight"):
