@@ -76,9 +76,10 @@ def run(full: bool, advance=lambda: None) -> list[CellResult]:
     for V in FULL_VOCABS if full else QUICK_VOCABS:
         for name, (logits, temperature) in logit_cases(V, rng).items():
             results.append(audit_case(name, V, logits, temperature, rng))
-        advance()
+            advance()
     return results
 
 
 def steps(full: bool) -> int:
-    return len(FULL_VOCABS if full else QUICK_VOCABS)
+    """The cells `run` reports: one per vocabulary size and logit case."""
+    return len(FULL_VOCABS if full else QUICK_VOCABS) * len(logit_cases(8, np.random.default_rng(0)))

@@ -74,11 +74,12 @@ def run(full: bool, advance=lambda: None) -> list[CellResult]:
     for name, values in datasets(full, rng).items():
         for q in QS:
             results.append(audit_threshold(name, values, q))
-        advance()
+            advance()
     results.append(audit_mask(rng))
     advance()
     return results
 
 
 def steps(full: bool) -> int:
-    return 9 + (1 if full else 0) + 1  # the datasets above, then the mask
+    """The cells `run` reports: one per dataset and quantile, then the mask's."""
+    return len(datasets(full, np.random.default_rng(0))) * len(QS) + 1

@@ -116,3 +116,13 @@ def test_progress_lines_when_the_output_is_not_a_terminal(tmp_path, capsys):
     assert lines and lines[-1].startswith("[audit] ") and " done, " in lines[-1]
     done, total = lines[-1].split()[1].split("/")
     assert done == total
+
+
+def test_the_progress_counter_counts_the_cells_reported():
+    """Each audit advances its progress once per cell it reports, and says beforehand how many (`steps`)."""
+    from audits import entropy_audit, quantile_audit
+
+    for audit in (quantile_audit, entropy_audit):
+        advanced = []
+        results = audit.run(False, lambda: advanced.append(1))  # noqa: B023
+        assert len(advanced) == len(results) == audit.steps(False), audit.__name__
