@@ -16,6 +16,13 @@ from .faults import Faults
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_flags(**flags) -> None:
+    """Options that are switches: True or False, never a truthy string or number."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
 def weight_dtype_fault(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the lm_head weight's dtype does not go with the hidden states': it must be theirs, or float32 against
     16-bit ones (an fp32 head); None where it does."""

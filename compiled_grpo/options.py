@@ -5,16 +5,11 @@ from __future__ import annotations
 import numbers
 
 from . import distributed
+from .checks import check_flags  # noqa: F401 (the loss's flags are checked as the primitive's)
 from .schedules.choice import SCHEDULES
 from .tiling import TILE_NAMES
 
 FLAGS = ("compiled", "validate", "capture", "round_logits")
-
-
-def check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected True or False, got {value!r}")
 
 
 def check_budget(logits_budget_bytes) -> int:

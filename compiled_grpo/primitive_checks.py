@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from . import checks, distributed, options
+from . import checks, distributed
 from .faults import Faults
 
 
@@ -45,7 +45,7 @@ def check_inputs(hidden, weight, targets, bias, temperature) -> None:
 def check_options(o, entropy: bool) -> None:
     """The call's options, checked as the loss checks its own (same messages): flags are bools, ignore_index an int,
     logit_scale finite and > 0, final_logit_softcapping None or finite and > 0, vocab_start an int."""
-    options.check_flags(entropy=entropy, compiled=o.compiled, validate=o.validate, capture=o.capture,
+    checks.check_flags(entropy=entropy, compiled=o.compiled, validate=o.validate, capture=o.capture,
                         round_logits=o.round_logits)  # fmt: skip
     for name in ("ignore_index", "vocab_start"):
         value = getattr(o, name)
