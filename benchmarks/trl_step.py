@@ -98,6 +98,11 @@ BATCHES = {"dense": (1.0, 0), "q0.2": (0.2, 0), "half0": (1.0, 2), "zero75": (1.
 # [TAIL_SHORTEST, completion length]; the batch's first row truncated at the completion length (so GRPOTrainer pads
 # every micro-batch to it)
 TAIL_MEDIAN, TAIL_SIGMA, TAIL_SHORTEST = 0.3, 0.6, 32
+TAIL_NOTE = (
+    f" `tail` rows: completion lengths lognormal (median {TAIL_MEDIAN} x the completion length, sigma {TAIL_SIGMA}, "
+    f"clipped to [{TAIL_SHORTEST}, the completion length]), one truncated at the completion length, so GRPOTrainer pads "
+    "every micro-batch to it (`tail-half0`: half the groups at advantage 0); the bound is the backbone on that padding."
+)
 VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
@@ -524,7 +529,8 @@ def report(args) -> None:
         "the possible gain over GRPOTrainer (its time minus the bound's) that the row achieves. A `step/N` row times "
         "a whole optimizer step over a generation batch of N micro-batches (`--generation N`: TRL's "
         "`_prepare_inputs`, each micro-batch's loss and backward, fused AdamW); its bound is the backbone on every "
-        "micro-batch plus the same optimizer step.",
+        "micro-batch plus the same optimizer step."
+        + (TAIL_NOTE if any(r["batch"].startswith("tail") for r in rows) else ""),
         "",
         "| model, batch, sequences | bound | " + " | ".join(LABELS[name] for name in present) + " |",
         "|---|---|" + "---|" * len(present),
