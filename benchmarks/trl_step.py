@@ -100,8 +100,9 @@ BATCHES = {"dense": (1.0, 0), "q0.2": (0.2, 0), "half0": (1.0, 2), "zero75": (1.
 TAIL_MEDIAN, TAIL_SIGMA, TAIL_SHORTEST = 0.3, 0.6, 32
 TAIL_NOTE = (
     f" `tail` rows: completion lengths lognormal (median {TAIL_MEDIAN} x the completion length, sigma {TAIL_SIGMA}, "
-    f"clipped to [{TAIL_SHORTEST}, the completion length]), one truncated at the completion length, so GRPOTrainer pads "
-    "every micro-batch to it (`tail-half0`: half the groups at advantage 0); the bound is the backbone on that padding."
+    f"clipped to [{TAIL_SHORTEST}, the completion length]), one truncated at the completion length, so GRPOTrainer "
+    "pads every micro-batch to it (`tail-half0`: half the groups at advantage 0); the bound is the backbone on that "
+    "padding."
 )
 VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
 TRAINERS = {  # name: (trainer, its options)
