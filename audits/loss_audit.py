@@ -144,8 +144,8 @@ def make_batch(size: Size, dtype: torch.dtype, device: str, seed: int = 0, group
     with torch.no_grad():
         logp = reference.grpo_loss(x["hidden"], x["weight"], x["completion_ids"], mask, x["advantages"],
                                    bias=x["bias"]).per_token_logps  # fmt: skip
-    x["old_per_token_logps"] = logp + rn(B, T) * 0.15
-    x["ref_per_token_logps"] = logp + rn(B, T) * 0.3
+    x["old_per_token_logps"] = (logp + rn(B, T) * 0.15).clamp(max=0.0)  # log-probs stay <= 0
+    x["ref_per_token_logps"] = (logp + rn(B, T) * 0.3).clamp(max=0.0)
     return {k: v.to(device) for k, v in x.items()}
 
 

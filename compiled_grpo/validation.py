@@ -111,7 +111,7 @@ def value_faults(inputs, vocab: int, captures=None) -> Faults:
         lambda _: ValueError("completion_mask: values must be 0 or 1"),
         lambda bad: ValueError(f"completion_ids: id {bad} at an active position is outside [0, {vocab})"),
         non_finite("advantages"),
-        *(non_finite(name) for name in present),
+        *(error(name) for name in present for error in (non_finite, above_zero)),
     ]
     if is_ratio is not None:
         errors += [non_finite("importance_sampling_ratio"),
@@ -131,11 +131,21 @@ def value_flags(nan_allowed: tuple, vocab: int, ids, mask, advantages, is_ratio,
     flags = [~((mask == 0) | (mask == 1)).all(), out_of_range.any(), ~torch.isfinite(adv).all()]
     for x, nan_ok in zip(per_token, nan_allowed, strict=True):
         ok = ~torch.isinf(x) if nan_ok else torch.isfinite(x)
-        flags.append(~(ok | ~active).all())
+        flags += [~(ok | ~active).all(), (active & (x > LOGP_ROUNDING)).any()]
     if is_ratio is not None:
         r = torch.where(active, is_ratio, 1.0) if is_ratio.shape == mask.shape else is_ratio
         flags += [~torch.isfinite(r).all(), (r < 0).any()]
     return (*(f.long() for f in flags), first_where(ids.reshape(-1), out_of_range.reshape(-1)))
+
+
+# How far above 0 a log-probability may come from rounding (a 16-bit logsumexp near a near-certain token's logit is off
+# by up to half a bf16 step, 0.004): beyond it a value is no log-probability (a probability above 1, or another sign).
+LOGP_ROUNDING = 1e-2
+
+
+def above_zero(name: str):
+    return lambda _: ValueError(f"{name}: a value above 0 (beyond {LOGP_ROUNDING}, rounding) at an active position; "
+                                "log-probabilities are <= 0")  # fmt: skip
 
 
 def non_finite(name: str):

@@ -73,11 +73,11 @@ def make_inputs(
         logp = reference.grpo_loss(x["hidden"], x["weight"], x["completion_ids"], x["completion_mask"], x["advantages"],
                                    bias=x.get("bias")).per_token_logps  # fmt: skip
     if off_policy:
-        x["old_per_token_logps"] = logp + rn(B, T) * 0.2
+        x["old_per_token_logps"] = (logp + rn(B, T) * 0.2).clamp(max=0.0)  # log-probs stay <= 0
     if ref:
-        x["ref_per_token_logps"] = logp + rn(B, T) * 0.3
+        x["ref_per_token_logps"] = (logp + rn(B, T) * 0.3).clamp(max=0.0)
     if sampling:
-        s = logp + rn(B, T) * 0.3
+        s = (logp + rn(B, T) * 0.3).clamp(max=0.0)
         s[torch.rand(B, T, generator=g) < 0.2] = float("nan")
         x["sampling_per_token_logps"] = s
     if is_shape is not None:

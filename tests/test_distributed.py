@@ -310,7 +310,7 @@ def sequence_parallel_worker(rank, world, seed, data_ranks):
     x = whole_batch(data_ranks, seed)
     g = torch.Generator().manual_seed(seed + 3)
     noise = torch.randn(x["old_per_token_logps"].shape, generator=g, dtype=torch.float64)
-    x["sampling_per_token_logps"] = x["old_per_token_logps"] + noise * 0.3
+    x["sampling_per_token_logps"] = (x["old_per_token_logps"] + noise * 0.3).clamp(max=0.0)
     x["importance_sampling_ratio"] = torch.rand(x["advantages"].shape[0], T, generator=g, dtype=torch.float64) + 0.5
     cases = sequence_parallel_cases(data_ranks > 1)
     single = [run(reference_fn(s), x) for s, _ in cases]  # before any process group exists

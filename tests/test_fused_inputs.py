@@ -130,6 +130,14 @@ def test_bad_values_at_active_positions(checks):
     old = x["old_per_token_logps"].clone()
     old[0, 0] = float("inf")
     bad(x, "old_per_token_logps", old_per_token_logps=old)
+    old[0, 0] = 0.5  # a probability above 1
+    bad(x, "old_per_token_logps", old_per_token_logps=old)
+    ref = x["old_per_token_logps"].clone()
+    ref[0, 0] = 0.2
+    with pytest.raises(ValueError, match="ref_per_token_logps: a value above 0"):
+        call(x, {"beta": 0.1}, ref_per_token_logps=ref)
+    old[0, 0] = 0.005  # rounding of a log-probability near 0: accepted
+    assert torch.isfinite(call(x, {}, old_per_token_logps=old).loss)
     ratio = torch.ones_like(old)
     ratio[0, 0] = -0.5
     bad(x, "importance_sampling_ratio", importance_sampling_ratio=ratio)

@@ -132,9 +132,11 @@ def compare_with_trl(tmp_path, model, settings, tool_mask=False, eval=False, pef
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1),
         )  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    inputs["old_per_token_logps"] = logp + 0.1 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+    inputs["old_per_token_logps"] = (logp + 0.1 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)).clamp(max=0)
     if settings.get("beta"):
-        inputs["ref_per_token_logps"] = logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+        inputs["ref_per_token_logps"] = (logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)).clamp(
+            max=0
+        )
     mode = "eval" if eval else "train"
     theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs, mode)
     ours = loss_and_grads(trainer._compute_loss, trainer, inputs, mode)

@@ -45,9 +45,9 @@ def with_logps(trainer, inputs: dict, beta: float) -> dict:
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), C,
         )  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    inputs["old_per_token_logps"] = logp + 0.1 * torch.randn(logp.shape, generator=g)
+    inputs["old_per_token_logps"] = (logp + 0.1 * torch.randn(logp.shape, generator=g)).clamp(max=0.0)
     if beta:
-        inputs["ref_per_token_logps"] = logp + 0.2 * torch.randn(logp.shape, generator=g)
+        inputs["ref_per_token_logps"] = (logp + 0.2 * torch.randn(logp.shape, generator=g)).clamp(max=0.0)
     return inputs
 
 

@@ -51,7 +51,7 @@ def with_zeros(inputs: dict, rows: list[int], trainer) -> dict:
         C = inputs["completion_ids"].shape[1]
         logp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
     g = torch.Generator().manual_seed(1)
-    inputs["old_per_token_logps"] = logp + 0.1 * torch.randn(logp.shape, generator=g)
+    inputs["old_per_token_logps"] = (logp + 0.1 * torch.randn(logp.shape, generator=g)).clamp(max=0.0)
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
     return inputs
 

@@ -33,7 +33,7 @@ def test_reference_keeps_the_tokens_trl_keeps(q):
         logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
         entropy = tied_entropies(g, B, T)
         adv = torch.randn(B, generator=g, dtype=torch.float64)
-        old = logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1
+        old = (logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1).clamp(max=0.0)
         ids = torch.zeros(B, T, dtype=torch.long)
         s = {"loss_type": "dapo", "top_entropy_quantile": q}
         lp = logp.clone().requires_grad_()
