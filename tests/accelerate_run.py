@@ -108,3 +108,8 @@ if __name__ == "__main__":
     which = sys.argv[2] if len(sys.argv) > 2 else "dense"
     for trainer_name in TRAINERS[which]:
         train(trainer_name, Path(sys.argv[1]), which)
+    # an orderly end: a process group left to the interpreter's exit can abort it ("terminate called without an
+    # active exception") after every step has run
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
