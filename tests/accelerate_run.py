@@ -108,8 +108,12 @@ if __name__ == "__main__":
     which = sys.argv[2] if len(sys.argv) > 2 else "dense"
     for trainer_name in TRAINERS[which]:
         train(trainer_name, Path(sys.argv[1]), which)
-    # an orderly end: a process group left to the interpreter's exit can abort it ("terminate called without an
-    # active exception") after every step has run
+    # every result is written: end here. The interpreter's own teardown aborts now and then on the CPU ("terminate
+    # called without an active exception", after every step has run, with the process group destroyed or not), which
+    # would fail a launch whose numbers are all in
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +28,20 @@ mixed_precision: 'no'
 """
 
 
+def free_port() -> int:
+    """A port no process listens on now: launches running side by side (pytest -n) each get their own rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(tmp_path, *script_args):
     (tmp_path / "accelerate.yaml").write_text(CONFIG)
     paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
-               str(HERE / "accelerate_run.py"), str(tmp_path), *script_args]  # fmt: skip
+               "--main_process_port", str(free_port()), str(HERE / "accelerate_run.py"), str(tmp_path),
+               *script_args]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_accelerate import free_port
 from test_distributed import init, spawn
 
 from compiled_grpo import FusedLinearGRPOLoss
@@ -89,7 +90,7 @@ def launch(config: Path, out: Path, part: str) -> None:
     paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "NVIDIA_TF32_OVERRIDE": "0"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               str(HERE / "engine_run.py"), str(out), part]  # fmt: skip
+               "--main_process_port", str(free_port()), str(HERE / "engine_run.py"), str(out), part]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
