@@ -11,7 +11,6 @@ trimmed either), a MoE auxiliary loss (its balance counts every position of the 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
@@ -187,10 +186,7 @@ def packed_ids_forward(model, lm_head, extra: dict):
 
 
 def say_once(trainer, message: str) -> None:
-    said = trainer.__dict__.setdefault("_padding_free_notices", set())
-    if message not in said:
-        said.add(message)
-        warnings.warn(f"compiled_grpo: {message}", PaddingFreeNotice, stacklevel=3)
+    zero_advantage.say_once(trainer, message, PaddingFreeNotice)
 
 
 def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None, plan):

@@ -238,8 +238,9 @@ def row_plan(trainer, inputs: dict, mode: str, multimodal: bool) -> RowPlan | No
     return plan_rows(trainer, inputs, forwards_untrained(trainer))
 
 
-def say_once(trainer, message: str) -> None:
-    said = trainer.__dict__.setdefault("_skip_notices", set())
+def say_once(trainer, message: str, category: type[UserWarning] = SkipNotice) -> None:
+    """Warn with `message` the first time this trainer says it."""
+    said = trainer.__dict__.setdefault("_notices", set())
     if message not in said:
         said.add(message)
-        warnings.warn(f"compiled_grpo: {message}", SkipNotice, stacklevel=3)
+        warnings.warn(f"compiled_grpo: {message}", category, stacklevel=3)
