@@ -104,16 +104,20 @@ def train(name: str, out: Path, scenario: str) -> None:
         (out / f"{name}.json").write_text(json.dumps(record))
 
 
-if __name__ == "__main__":
-    which = sys.argv[2] if len(sys.argv) > 2 else "dense"
-    for trainer_name in TRAINERS[which]:
-        train(trainer_name, Path(sys.argv[1]), which)
-    # every result is written: end here. The interpreter's own teardown aborts now and then on the CPU ("terminate
-    # called without an active exception", after every step has run, with the process group destroyed or not), which
-    # would fail a launch whose numbers are all in
+def end_launch() -> None:
+    """End a launched rank once its results are written. The interpreter's own teardown aborts now and then on the
+    CPU ("terminate called without an active exception", after every step has run, with the process group destroyed
+    or not), which would fail a launch whose numbers are all in."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    which = sys.argv[2] if len(sys.argv) > 2 else "dense"
+    for trainer_name in TRAINERS[which]:
+        train(trainer_name, Path(sys.argv[1]), which)
+    end_launch()

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate_run import ZeroOnOneRank
+from accelerate_run import ZeroOnOneRank, end_launch
 from datasets import Dataset
 from test_integration_trl import tiny_model, tokenizer
 from test_skip_zero_advantage import zero_reward_for_some_prompts
@@ -207,3 +207,4 @@ if __name__ == "__main__":
     else:
         for run_name in sys.argv[3:] or RUNS:
             train(run_name, folder)
+    end_launch()
