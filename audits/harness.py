@@ -4,7 +4,11 @@ measure."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+
+from compiled_grpo import products
 
 from . import reference
 
@@ -112,3 +116,17 @@ def relative_error(a, b, floor: float) -> float:
     both_nan = torch.isnan(a) & torch.isnan(b)
     diff = torch.where(both_nan, 0.0, (a - b).abs())
     return float(diff.max() / max(float(b.abs().nan_to_num(0.0).max()), floor))
+
+
+def fp32_head_product_ratio(hidden: torch.Tensor, weight: torch.Tensor, floor: float) -> float:
+    """How many times further from float64 the fp32 head's logits product x @ W.T is than a float32 GEMM's (TF32
+    off) on the same inputs, at least 1: exactly 1 where its products are float32 GEMMs (a CPU); on a GPU, that of
+    its bf16 terms' tensor-core sums (`compiled_grpo.products`)."""
+    x = hidden.detach().reshape(-1, hidden.shape[-1])
+    w = weight.detach()
+    if not products.splits(x, w):
+        return 1.0
+    exact = x.double() @ w.double().T
+    float32_error = relative_error(x.float() @ w.T, exact, floor)
+    split = products.gemm_product(x.float(), SimpleNamespace(terms=products.weight_terms(w), rounded=False, weight=w))
+    return max(1.0, relative_error(split, exact, floor) / max(float32_error, floor * 2.0**-24))

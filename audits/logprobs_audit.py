@@ -163,13 +163,15 @@ def audit_cell(cell: LogProbsCell, case: dict) -> CellResult:
 
 def fp32_head_limits(ours, x: dict, upstream, exact) -> dict[str, float]:
     """The fp32 head's bounds: at most FP32_HEAD_FACTOR times the error of float32 GEMMs on the same inputs (the
-    hidden states widened; their gradient rounded back to bf16, as the cast returns it), plus FP32_HEAD_FLOOR."""
+    hidden states widened; their gradient rounded back to bf16, as the cast returns it), scaled by the head's product
+    ratio (`tolerances.fp32_head_bound`), plus FP32_HEAD_FLOOR."""
     logp, entropy, grads = gradients(ours, {**x, "hidden": x["hidden"].float()}, upstream)
     grads["hidden"] = grads["hidden"].to(x["hidden"].dtype)
     ref_logp, ref_entropy, ref_grads = exact
     errors = {"logp": relative_error(logp, ref_logp), "entropy": relative_error(entropy, ref_entropy),
               **{f"d {k}": relative_error(grads[k], g) for k, g in ref_grads.items()}}  # fmt: skip
-    return {what: tolerances.fp32_head_bound(e) for what, e in errors.items()}
+    ratio = harness.fp32_head_product_ratio(x["hidden"], x["weight"], tolerances.FLOOR)
+    return {what: tolerances.fp32_head_bound(e, ratio) for what, e in errors.items()}
 
 
 def check_extras(result: CellResult, extras, exact, tol) -> None:

@@ -204,8 +204,9 @@ def check_limits(cell: LossCell, errors: dict, naive: dict | None) -> dict[str, 
 
 def fp32_head_limits(cell: LossCell, settings: dict, x: dict, ref, ref_grads, result: CellResult) -> dict:
     """The fp32 head's bounds: each check at most FP32_HEAD_FACTOR times the error of float32 GEMMs (TF32 off) on
-    the same inputs (the hidden states widened, their gradient rounded back to bf16 as the cast returns it), plus
-    FP32_HEAD_FLOOR; the errors of float32 GEMMs, of TF32 (on a GPU) and of the weight rounded to bf16 in the notes."""
+    the same inputs (the hidden states widened, their gradient rounded back to bf16 as the cast returns it), scaled
+    by the head's product ratio (`tolerances.fp32_head_bound`), plus FP32_HEAD_FLOOR; the errors of float32 GEMMs,
+    of TF32 (on a GPU) and of the weight rounded to bf16, and the ratio, in the notes."""
     loss_fn = FusedLinearGRPOLoss(compiled=cell.mode != "eager", schedule=cell.schedule, **settings)
     beside = {"float32 GEMMs": {**x, "hidden": x["hidden"].float()}, "bf16 weight": {
         **x, "weight": x["weight"].bfloat16(), "bias": x["bias"].bfloat16()}}  # fmt: skip
@@ -222,7 +223,9 @@ def fp32_head_limits(cell: LossCell, settings: dict, x: dict, ref, ref_grads, re
         errors[name] = output_errors(out, grads, ref, ref_grads)
         picked = {k: errors[name][k] for k in ("loss", "logp", "entropy", "d hidden", "d weight")}
         result.notes.append(f"{name}: " + ", ".join(f"{k} {v:.1e}" for k, v in picked.items()))
-    return {what: tolerances.fp32_head_bound(e) for what, e in errors["float32 GEMMs"].items()}
+    ratio = harness.fp32_head_product_ratio(x["hidden"], x["weight"], tolerances.FLOOR)
+    result.notes.append(f"the head's logits product: {ratio:.2f}x float32 GEMMs' error (the bounds' scale)")
+    return {what: tolerances.fp32_head_bound(e, ratio) for what, e in errors["float32 GEMMs"].items()}
 
 
 def audit_cell(cell: LossCell, x: dict, size: Size, device: str) -> CellResult:

@@ -49,15 +49,21 @@ ROUNDED_SLACK = 2e-3
 
 # The fp32 head (a float32 weight against bf16 hidden states): every check at most this factor times the error of
 # float32 GEMMs (TF32 off) on the same inputs, plus the floor (a float32 rounding or two of an O(1) quantity, so
-# that a check float32 GEMMs get exactly right, a loss of 0 say, is not held to 0). On a GPU its products come from
-# bf16 terms whose tensor-core sums round differently from a float32 GEMM's; on a CPU they are float32 GEMMs.
+# that a check float32 GEMMs get exactly right, a loss of 0 say, is not held to 0). On a CPU its products are
+# float32 GEMMs. On a GPU they come from bf16 terms whose tensor-core sums round differently from a float32 GEMM's:
+# there the bound is scaled by how many times further from float64 the head's own logits product is than a float32
+# GEMM's on the cell's inputs (`harness.fp32_head_product_ratio`, at least 1). Why: to first order a check's error
+# is A e + c, with e the product's error, A how much the loss amplifies it (vespo's weight exponentiates a row's
+# summed log-ratios, so its A is large) and c the float32 work both share; with e r times float32 GEMMs' e', the
+# error is at most r (A e' + c). Where A e dominates (vespo's d weight and d bias) the ratio of the errors is r
+# itself, which a fixed factor of 2 does not cover when r > 2; where c dominates it stays near 1.
 FP32_HEAD_FACTOR = 2.0
 FP32_HEAD_FLOOR = 2e-7
 
 
-def fp32_head_bound(float32_gemms_error: float) -> float:
-    """An fp32-head check's bound, from float32 GEMMs' error on the same inputs."""
-    return FP32_HEAD_FACTOR * float32_gemms_error + FP32_HEAD_FLOOR
+def fp32_head_bound(float32_gemms_error: float, product_ratio: float = 1.0) -> float:
+    """An fp32-head check's bound, from float32 GEMMs' error on the same inputs and the head's product ratio."""
+    return FP32_HEAD_FACTOR * product_ratio * float32_gemms_error + FP32_HEAD_FLOOR
 
 
 # An entropy-mask difference is legitimate only for a token whose entropy lies within rounding of the

@@ -69,6 +69,18 @@ def bf16_terms(a: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
     return list(terms_leaving_rest(a.clone(), count))
 
 
+def terms_kept(a: torch.Tensor, count: int):
+    """a's bf16 terms as `terms_leaving_rest` makes them, one at a time, with a itself given back after the last
+    (no copy of a: what each term leaves is formed in a, and adding the terms back restores a exactly, each
+    subtraction and addition being exact in float32)."""
+    made = []
+    for term in terms_leaving_rest(a, count):
+        made.append(term)
+        yield term
+    for term in reversed(made[:-1]):
+        a.add_(term)
+
+
 def terms_leaving_rest(a: torch.Tensor, count: int | None = None):
     """a (float32) as `count` (default SPLIT_TERMS) bf16 terms, one at a time, each the bf16 rounding of what the
     ones before it left; a itself is left holding that rest (no copy of a)."""
@@ -80,11 +92,25 @@ def terms_leaving_rest(a: torch.Tensor, count: int | None = None):
             a.sub_(term)
 
 
+TERM_ROWS = 8192  # vocabulary rows split at a time by `weight_terms` (its only float32 temporary: [rows, H])
+
+
 def weight_terms(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight [V, H] as its bf16 terms side by side, [V, SPLIT_TERMS * H] (term i in columns
-    i H .. (i + 1) H): a slice of vocabulary rows is a slice of rows, and the logits are one GEMM over them."""
+    i H .. (i + 1) H): a slice of vocabulary rows is a slice of rows, and the logits are one GEMM over them.
+    Written a slice of rows at a time: the terms are the only [V, H]-sized tensor it makes (a whole-weight split
+    held a float32 copy of the weight and every term twice, 2.5x the terms' bytes, at its peak)."""
+    vocab, hidden_size = weight.shape
+    out = torch.empty(vocab, SPLIT_TERMS * hidden_size, dtype=torch.bfloat16, device=weight.device)
     with torch.no_grad():
-        return torch.cat(bf16_terms(weight.detach()), dim=1)
+        for v0 in range(0, vocab, TERM_ROWS):
+            rest = weight[v0 : v0 + TERM_ROWS].detach().clone()
+            for i in range(SPLIT_TERMS):
+                term = out[v0 : v0 + TERM_ROWS, i * hidden_size : (i + 1) * hidden_size]
+                term.copy_(rest)  # rounded to the nearest bf16, as `.to` rounds
+                if i + 1 < SPLIT_TERMS:
+                    rest.sub_(term)
+    return out
 
 
 def _term(terms: torch.Tensor, i: int) -> torch.Tensor:
@@ -119,7 +145,7 @@ def add_hidden_gradient(acc: torch.Tensor, g: torch.Tensor, head, first: bool = 
     if head.terms is None:
         add_matmul(acc, g, head.weight, first)
         return
-    for i, g_i in enumerate(bf16_terms(g, HIDDEN_GRADIENT_TERMS)):
+    for i, g_i in enumerate(terms_kept(g, HIDDEN_GRADIENT_TERMS)):
         for j in range(HIDDEN_GRADIENT_TERMS - i):
             add_matmul(acc, g_i, _term(head.terms, j), first and i == j == 0)
 
