@@ -135,3 +135,17 @@ def warn_where_trl_warns(c: GRPOLossConfig) -> None:
         warnings.warn("vespo is meant for importance_sampling_level='token'", stacklevel=4)
     elif c.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo") and level == "sequence":
         warnings.warn(f"{c.loss_type} is meant for importance_sampling_level='token'", stacklevel=4)
+
+
+def warn_dr_grpo_length(c: GRPOLossConfig, positions: int, stacklevel: int) -> None:
+    """dr_grpo divides by rows x max_completion_length, the sampler's maximum: a batch with more completion
+    positions than that was sampled with another maximum. TRL computes the loss as written; so do we, and say so."""
+    if c.loss_type == "dr_grpo" and positions > c.max_completion_length:
+        warnings.warn(
+            f"dr_grpo: the completions have {positions} positions, more than max_completion_length="
+            f"{c.max_completion_length}; the loss is divided by rows x {c.max_completion_length}, as TRL's "
+            f"GRPOTrainer computes it (its completions never exceed max_completion_length), so each token weighs "
+            f"more than Dr. GRPO's constant normalizer means it to: set max_completion_length to the sampler's "
+            f"maximum ({positions} or more)",
+            stacklevel=stacklevel,
+        )

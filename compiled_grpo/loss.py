@@ -22,11 +22,11 @@ import torch
 from . import checks, distributed, faults, options, sequence_parallel, validation
 from .batch_objective import Objective
 from .capture import Captures
-from .config import SETTING_NAMES, GRPOLossConfig
+from .config import SETTING_NAMES, GRPOLossConfig, warn_dr_grpo_length
 from .faults import Deferred, Faults
 from .head import VocabShard, make_head
 from .inputs import LossInputs
-from .kernels import Kernels
+from .kernels import Kernels, frames_to_caller
 from .packing import lay_out
 from .schedules import captured_call, choice, passes
 from .step import Step, add_step_faults, make_step
@@ -156,6 +156,7 @@ class FusedLinearGRPOLoss:
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden, self.logits_budget_bytes)
         checks = captured_call.checks_captures(captures, inputs)
         inputs, value_faults = _checked(inputs, step, checks, self.config.beta, self.vocab_group, self.validate)
+        warn_dr_grpo_length(self.config, inputs.completion_mask.shape[1], frames_to_caller() + 1)
         tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         objective = _objective(self, engine, inputs, step)

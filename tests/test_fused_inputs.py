@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -483,3 +484,19 @@ def test_row_advantages_as_b1_equal_b():
         assert out_b.metrics.keys() == out_b1.metrics.keys()
         for k, g in grads_b.items():
             assert torch.equal(g, grads_b1[k]), (schedule, k)
+
+
+def test_dr_grpo_warns_where_completions_exceed_max_completion_length():
+    """More completion positions than max_completion_length: warned with what TRL computes (rows x the setting),
+    and computed as TRL does; none at the sampler's maximum."""
+    x = make_inputs(dtype=torch.float64, T=12)
+    short = FusedLinearGRPOLoss(compiled=False, loss_type="dr_grpo", max_completion_length=8, **TILES)
+    with pytest.warns(UserWarning, match=r"12 positions, more than max_completion_length=8; .* rows x 8") as seen:
+        out, _ = run_fused(short, x)
+    assert seen[0].filename.endswith("harness.py")  # the caller's line (the audit harness here), not the library's
+    ref, _ = run_reference(x, {"loss_type": "dr_grpo", "max_completion_length": 8})
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-10, atol=0)
+    exact = FusedLinearGRPOLoss(compiled=False, loss_type="dr_grpo", max_completion_length=12, **TILES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_fused(exact, x)
