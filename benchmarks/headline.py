@@ -3,7 +3,8 @@ one run whose file the table names, and a test fails when README.md and those fi
 
 The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`), docs/benchmarks/trl-step/*.json
 (`python -m benchmarks.trl_step --model M --headline`, M = 0.5B, 1.5B, 7B, and with `--generation 2` for
-whole optimizer steps) and docs/benchmarks/fp32-head/gpu.json
+whole optimizer steps), docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`),
+docs/benchmarks/fp32-head/gpu.json
 (`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`), docs/benchmarks/verl/verl.json
 (`python -m benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json (`python -m benchmarks.sft_step`).
 
@@ -127,6 +128,33 @@ def step_table(root: Path) -> list[str]:
     return lines
 
 
+# the run files that hold each model's padding-free rows as the default now runs them (docs/benchmarks/trl-step/
+# padding-free/README.md): packed with FlexAttention at 7B, trimmed at 0.5B and 1.5B
+PADDING_FREE_RUNS = {"0.5B": "first-rules/trl-step-0.5B-step4.json", "1.5B": "first-rules/trl-step-1.5B-step4.json",
+                     "7B": "trl-step-7B-step4.json"}  # fmt: skip
+PADDING_FREE_TRAINERS = {"grpo": "GRPOTrainer", "packed-flex": "packed, FlexAttention", "trim": "trimmed"}
+
+
+def padding_free_table(root: Path) -> list[str]:
+    folder = root / "docs/benchmarks/trl-step/padding-free"
+    runs = [load(folder / name) for name in PADDING_FREE_RUNS.values()]
+    rows = [r for run in runs for r in run["rows"]]
+    caption = (
+        "**Padding-free steps** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches of 8 completions, "
+        "their losses and backwards, AdamW; `tail`: long-tailed completion lengths with one truncated at the "
+        "maximum, so GRPOTrainer pads every micro-batch to it; `tail-half0`: half the groups at advantage 0 too; "
+        '`dense`: every completion at the maximum. `padding_free="auto"` packs with FlexAttention at 7B and trims '
+        f"at 0.5B and 1.5B; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; "
+        "[the runs](docs/benchmarks/trl-step/padding-free/README.md)):"
+    )
+    lines = [caption, "", "| model, batch | " + " | ".join(PADDING_FREE_TRAINERS.values()) + " |",
+             "|---|" + "---|" * len(PADDING_FREE_TRAINERS)]  # fmt: skip
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in PADDING_FREE_TRAINERS) + " |")
+    return lines
+
+
 def sft_table(root: Path) -> list[str]:
     runs = [load(p) for m in STEP_MODELS if (p := root / f"docs/benchmarks/sft-step/sft-step-{m}.json").exists()]
     rows = [r for run in runs for r in run["rows"]]
@@ -143,7 +171,14 @@ def sft_table(root: Path) -> list[str]:
 
 
 def render(root: Path = ROOT) -> str:
-    tables = [head_table(root), step_table(root), fp32_table(root), verl_table(root), sft_table(root)]
+    tables = [
+        head_table(root),
+        step_table(root),
+        padding_free_table(root),
+        fp32_table(root),
+        verl_table(root),
+        sft_table(root),
+    ]
     return "\n".join([BEGIN, "", *(line for t in tables for line in (*t, "")), END])
 
 
