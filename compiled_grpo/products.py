@@ -99,14 +99,16 @@ def weight_terms(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight [V, H] as its bf16 terms side by side, [V, SPLIT_TERMS * H] (term i in columns
     i H .. (i + 1) H): a slice of vocabulary rows is a slice of rows, and the logits are one GEMM over them.
     Written a slice of rows at a time: the terms are the only [V, H]-sized tensor it makes (a whole-weight split
-    held a float32 copy of the weight and every term twice, 2.5x the terms' bytes, at its peak)."""
+    held the terms twice at its peak, or a float32 copy of the weight beside them)."""
     vocab, hidden_size = weight.shape
     out = torch.empty(vocab, SPLIT_TERMS * hidden_size, dtype=torch.bfloat16, device=weight.device)
+    buffer = torch.empty(min(vocab, TERM_ROWS), hidden_size, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         for v0 in range(0, vocab, TERM_ROWS):
-            rest = weight[v0 : v0 + TERM_ROWS].detach().clone()
+            rows = min(TERM_ROWS, vocab - v0)
+            rest = buffer[:rows].copy_(weight[v0 : v0 + rows])
             for i in range(SPLIT_TERMS):
-                term = out[v0 : v0 + TERM_ROWS, i * hidden_size : (i + 1) * hidden_size]
+                term = out[v0 : v0 + rows, i * hidden_size : (i + 1) * hidden_size]
                 term.copy_(rest)  # rounded to the nearest bf16, as `.to` rounds
                 if i + 1 < SPLIT_TERMS:
                     rest.sub_(term)
