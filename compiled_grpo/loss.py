@@ -155,8 +155,7 @@ class FusedLinearGRPOLoss:
     def _loss(self, inputs: LossInputs, step: Step, shard: VocabShard) -> GRPOLossOutput:
         captures = None if self.captures is None else self.captures.applies_to(inputs.hidden, self.logits_budget_bytes)
         checks = captured_call.checks_captures(captures, inputs)
-        inputs, value_faults = _checked(inputs, step, checks, self.config.beta, self.vocab_group, self.validate)
-        warn_dr_grpo_length(self.config, inputs.completion_mask.shape[1], frames_to_caller() + 1)
+        inputs, value_faults = _checked(inputs, step, checks, self.config, self.vocab_group, self.validate)
         tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         objective = _objective(self, engine, inputs, step)
@@ -195,14 +194,15 @@ def _laid_out(given: LossInputs, packed_layout, sequence_group, validate: bool):
     return inputs.under_autocast(), packing
 
 
-def _checked(inputs: LossInputs, step: Step, captures, beta, vocab_group, validate) -> tuple[LossInputs, Faults]:
+def _checked(inputs: LossInputs, step: Step, captures, config, vocab_group, validate) -> tuple[LossInputs, Faults]:
     """Shapes and dtypes now, values (unless validate=False) as device flags whose read-back has started
     (with `captures`, computed by a CUDA graph replay); DTensor weights gathered; [B, 1] advantages as [B]; 16-bit
-    hidden states against a float32 weight widened (`LossInputs.widened`)."""
+    hidden states against a float32 weight widened (`LossInputs.widened`); the dr_grpo length warning."""
     validation.check_shapes(inputs)
+    warn_dr_grpo_length(config, inputs.completion_mask.shape[1], frames_to_caller() + 1)
     inputs = inputs.with_row_advantages()
     no_reference = inputs.ref_per_token_logps is None and inputs.ref_hidden is None and inputs.ref_weight is None
-    if beta != 0.0 and no_reference:
+    if config.beta != 0.0 and no_reference:
         raise ValueError("beta != 0 needs ref_per_token_logps, or ref_hidden / ref_weight to compute them")
     inputs = inputs.cast_head(distributed.full_tensor).widened()
     if not validate:
