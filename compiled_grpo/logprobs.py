@@ -251,7 +251,7 @@ def make_head(weight, bias, values, dtype, shape, rounded: bool = False, *, spli
     if per_token:
         row_inv_temp = (1.0 / temperature.detach().to(weight.device, dtype)).broadcast_to(shape).reshape(-1)
     terms = products.weight_terms(weight) if split else None
-    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded, terms)
+    return Head(weight, bias, constants, cap is not None, row_inv_temp, rounded, terms, split)
 
 
 def under_autocast(hidden, weight, bias):

@@ -28,7 +28,7 @@ from .head import VocabShard, make_head
 from .inputs import LossInputs
 from .kernels import Kernels, frames_to_caller
 from .packing import lay_out
-from .schedules import captured_call, choice, passes
+from .schedules import captured_call, choice, passes, reference_logps
 from .step import Step, add_step_faults, make_step
 from .tiling import DEFAULT_WORKSPACE_BYTES, Tiles
 
@@ -159,8 +159,7 @@ class FusedLinearGRPOLoss:
         tiles = Tiles.for_device(inputs.hidden.device, captures is not None, **self.tile_overrides)
         engine = passes.Engine(self.kernels, tiles, shard, captures)
         objective = _objective(self, engine, inputs, step)
-        head = make_head(inputs.weight, inputs.bias, self.config, objective.dtype, self.round_logits, inputs.split_head)
-        schedule, plan = choice.choose(self.schedule, engine, objective, head, self.logits_budget_bytes)
+        schedule, plan, head = _scheduled(self, engine, objective)
         # the plan has waited for the device: the flags of the value checks, and of earlier calls, are on the host
         self.deferred.raise_pending()
         value_faults.raise_first()
@@ -178,11 +177,19 @@ class FusedLinearGRPOLoss:
 def _objective(loss: FusedLinearGRPOLoss, engine: passes.Engine, inputs: LossInputs, step: Step) -> Objective:
     """The batch objective; the reference log-probs computed first when beta != 0 and only its head is given."""
     if loss.config.beta != 0.0 and inputs.ref_per_token_logps is None:
-        inputs = passes.with_reference_logps(engine, inputs, loss.config, loss.round_logits)
+        inputs = reference_logps.with_reference_logps(engine, inputs, loss.config, loss.round_logits)
     slices = None
     if sequence_parallel.active(loss.sequence_group):
         slices = sequence_parallel.SequenceSlices.of(loss.sequence_group, inputs.completion_mask)
     return Objective(loss.config, inputs, step, loss.process_group, slices)
+
+
+def _scheduled(loss: FusedLinearGRPOLoss, engine: passes.Engine, objective: Objective):
+    """(schedule, its plan, the head as it reads it) for the call (`schedules.choice`)."""
+    inputs = objective.inputs
+    head = make_head(inputs.weight, inputs.bias, loss.config, objective.dtype, loss.round_logits, inputs.split_head)
+    schedule, plan = choice.choose(loss.schedule, engine, objective, head, loss.logits_budget_bytes)
+    return schedule, plan, choice.head_for(schedule, head)
 
 
 def _laid_out(given: LossInputs, packed_layout, sequence_group, validate: bool):

@@ -123,6 +123,8 @@ def _term(terms: torch.Tensor, i: int) -> torch.Tensor:
 def gemm_product(x, head) -> torch.Tensor:
     """x @ w.T, accumulated in float32: output in float32 (float64 for float64 inputs), or with `head.rounded`
     rounded to x's dtype, as TRL's head and plain torch keep their logits (half the bytes for its readers)."""
+    if head.split and head.terms is None:
+        raise RuntimeError("a split head's whole-vocabulary product needs its terms: Head.with_whole_terms()")
     if head.terms is not None:
         # one GEMM per term, summed in float32 from the smallest up: one GEMM over the terms side by side (K = terms x
         # H) was 5x further from float64 on an H200, its tensor cores summing a longer K with truncation
@@ -134,6 +136,12 @@ def gemm_product(x, head) -> torch.Tensor:
     # the GEMM's own 16-bit output (a buffer, so torch.compile keeps the rounding: a cast to 16 bits and back
     # inside a fused kernel would be elided)
     return torch.mm(x, head.weight.T)
+
+
+def whole_terms_bytes(head) -> int:
+    """The bytes of a split head's whole terms (`Head.with_whole_terms`): SPLIT_TERMS bf16 copies of the weight;
+    0 for a head without a split."""
+    return SPLIT_TERMS * 2 * head.weight.numel() if head.split else 0
 
 
 def product_bytes(head) -> int:

@@ -158,6 +158,24 @@ def _partial_fold(z, local_targets):
     return m, s, u, torch.where(owned, target, 0.0)
 
 
+def merge_partials(a: tuple, b: tuple) -> tuple:
+    """Two vocabulary slices' (m, s, u, target logit) per row as one slice's: both rescaled to the larger max M,
+    s e^(m - M) and e^(m - M) (u + s (m - M)) summed (every term of u stays <= 0), the target logits added (each
+    slice gives 0 for a target outside it)."""
+    (m_a, s_a, u_a, t_a), (m_b, s_b, u_b, t_b) = a, b
+    m = torch.maximum(m_a, m_b)
+    gap_a, gap_b = m_a - m, m_b - m
+    scale_a, scale_b = torch.exp(gap_a), torch.exp(gap_b)
+    return m, s_a * scale_a + s_b * scale_b, (u_a + s_a * gap_a) * scale_a + (u_b + s_b * gap_b) * scale_b, t_a + t_b
+
+
+def statistics_of_partials(m, s, u, target):
+    """(logp, entropy, lse) from the whole vocabulary's (m, s, u, target logit) (`merge_partials`)."""
+    log_s = torch.log(s)
+    lse = m + log_s
+    return target - lse, log_s - u / s, lse
+
+
 def partial_statistics_and_product_tile(x, local_targets, head: Head):
     """`partial_statistics_tile` that also hands back the GEMM output x @ w.T of this rank's slice (the speed
     schedule's vocabulary-parallel tile)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cases import TILES, make_inputs, max_error, run_fused, run_reference
 
-from compiled_grpo import FusedLinearGRPOLoss, fused_linear_logprobs, products
+from compiled_grpo import FusedLinearGRPOLoss, GRPOLossConfig, fused_linear_logprobs, products
 
 SETTINGS = {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01}
 
@@ -203,3 +203,61 @@ def test_fp32_head_without_grad_mode(context, schedule, monkeypatch):
     assert torch.equal(out.per_token_logps, with_grad.per_token_logps.detach())
     assert torch.equal(out.entropy, with_grad.entropy.detach())
     assert torch.equal(bare.logp, primitive.logp) and torch.equal(bare.entropy, primitive.entropy)
+
+
+@pytest.mark.parametrize("ref_head", [False, True])
+def test_memory_schedule_splits_the_weight_slice_by_slice(ref_head, monkeypatch):
+    """The memory schedule's passes (statistics, the reference log-probs, the gradients) make a split head's terms
+    one vocabulary slice at a time, never the whole weight's; its statistics equal the whole terms' token-outer
+    pass to float32 rounding; speed and sparse hold the whole terms."""
+    from compiled_grpo.head import VocabShard, make_head
+    from compiled_grpo.schedules import passes
+    from compiled_grpo.tiling import Tiles
+
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    made = []
+    split = products.weight_terms
+    monkeypatch.setattr(products, "weight_terms", lambda w: made.append(w.shape[0]) or split(w))
+    x = fp32_head_inputs(seed=3)
+    if ref_head:  # the reference log-probs streamed from the policy's own head
+        x = {**{k: v for k, v in x.items() if k != "ref_per_token_logps"}, "ref_hidden": x["hidden"]}
+    loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="memory", **TILES, **SETTINGS)
+    out, grads = run_fused(loss_fn, x)
+    assert made and max(made) <= TILES["vocab_tile"] < x["weight"].shape[0], made
+    for schedule in ("speed", "sparse"):
+        made.clear()
+        other = FusedLinearGRPOLoss(compiled=False, schedule=schedule, **TILES, **schedule_settings(schedule))
+        run_fused(other, x)
+        assert x["weight"].shape[0] in made, (schedule, made)
+    tiles = Tiles.for_device(torch.device("cpu"), **TILES)
+    engine = passes.Engine(loss_fn.kernels, tiles, VocabShard())
+    hidden = x["hidden"].float().reshape(-1, x["hidden"].shape[-1])
+    targets = x["completion_ids"].reshape(-1)
+    head = make_head(x["weight"], x["bias"], loss_fn.config, torch.float32, split=True)
+    pieces = [(s, min(64, hidden.shape[0] - s)) for s in range(0, hidden.shape[0], 64)]
+    sliced = passes.statistics_pass(engine, hidden, targets, head, pieces)
+    whole = passes.statistics_pass(engine, hidden, targets, head.with_whole_terms(), pieces)
+    for a, b in zip(sliced, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+def test_auto_counts_the_whole_terms_in_the_speed_schedules_workspace(monkeypatch):
+    """The speed schedule's workspace counts a split head's whole terms: auto runs it for the split head where the
+    budget holds them and the memory schedule where it falls one byte short."""
+    from compiled_grpo.head import VocabShard, make_head
+    from compiled_grpo.schedules import passes, speed
+    from compiled_grpo.tiling import Tiles
+
+    x = fp32_head_inputs(seed=4)
+    tiles = Tiles.for_device(torch.device("cpu"), **TILES)
+    engine = passes.Engine(FusedLinearGRPOLoss(compiled=False).kernels, tiles, VocabShard())
+    head = make_head(x["weight"].clone().requires_grad_(), None, GRPOLossConfig(), torch.float32, split=True)
+    bound = speed.workspace_bound(engine, head)
+    terms = products.SPLIT_TERMS * 2 * head.weight.numel()
+    monkeypatch.setattr(products, "whole_terms_bytes", lambda head: 0)
+    assert bound == speed.workspace_bound(engine, head) + terms
+    monkeypatch.undo()
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    for budget, expected in ((bound, "speed"), (bound - 1, "memory")):
+        loss_fn = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=budget, loss_type="dapo", **TILES)
+        assert run_fused(loss_fn, x)[0].schedule == expected, budget

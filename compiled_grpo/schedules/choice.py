@@ -59,3 +59,10 @@ def without_speed(engine: Engine, objective):
     (active, *zeros), _ = tiling.positions_and_lengths((mask,) if zero is None else (mask, zero))
     plan = tiling.plan_tokens(active, mask.numel(), engine.tiles.token_tile, engine.tiles.tail_tile, engine.slot_bucket)
     return (sparse if zeros and zeros[0].numel() else memory), plan
+
+
+def head_for(schedule, head):
+    """The head as `schedule` reads it: a split head's terms held whole for the speed and sparse schedules, whose
+    passes take the whole vocabulary per token tile; made per vocabulary slice for the memory schedule, whose
+    statistics and gradient passes both run vocabulary-outer."""
+    return head if schedule is memory else head.with_whole_terms()

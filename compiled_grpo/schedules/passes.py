@@ -4,7 +4,6 @@ slices of the vocabulary)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -12,10 +11,11 @@ import torch
 
 from .. import distributed, products, streaming, tiling
 from ..capture import Captures
-from ..head import Head, VocabShard, make_head
+from ..head import Head, VocabShard
 from ..kernels import Kernels
 from ..streaming import RowGradients
 from ..tiling import TilePlan, Tiles
+from . import sliced_statistics
 
 
 def head_key(head) -> tuple:
@@ -23,7 +23,7 @@ def head_key(head) -> tuple:
     the softcap."""
     weight, bias = head.weight, head.bias
     return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, head.softcap, head.rounded,
-            None if bias is None else (bias.data_ptr(), bias.dtype), head.terms is not None)  # fmt: skip
+            None if bias is None else (bias.data_ptr(), bias.dtype), head.terms is not None, head.split)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,9 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool 
     `extras` (whole vocabulary only): also (log_sum_sq_probs, mean_logits, is_top1), from the same read."""
     if extras and engine.shard.parallel:
         raise ValueError("the extra statistics need the whole vocabulary on one rank (no vocabulary-parallel head)")
+    if head.sliced_terms and tiles and not extras:  # a split head's terms made per vocabulary slice
+        return sliced_statistics.statistics(engine, x, targets, head, tiles)
+    head = head.with_whole_terms()
     fold = engine.kernels.statistics_with_extras if extras else engine.kernels.statistics
     fold = engine.kernels.partial_statistics if engine.shard.parallel else fold
     outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in statistics_pieces(engine, tiles)]
@@ -282,18 +285,3 @@ class TokenOuterGradients:
         if out is None:
             return self.sum.to(self.head.weight.dtype) if self.added else torch.zeros_like(self.head.weight)
         return out.copy_(self.sum) if self.added else out.zero_()
-
-
-def with_reference_logps(engine: Engine, inputs, cfg, rounded: bool = False):
-    """The inputs with ref_per_token_logps streamed from the reference head (ref_hidden, ref_weight, ref_bias,
-    each defaulting to the policy's), without gradient; `rounded`: `Head.rounded`."""
-    hidden = inputs.hidden if inputs.ref_hidden is None else inputs.ref_hidden
-    weight, bias = (inputs.weight, inputs.bias) if inputs.ref_weight is None else (inputs.ref_weight, inputs.ref_bias)
-    mask = inputs.completion_mask
-    plan = tiling.plan_mask(mask, engine.tiles.token_tile, engine.tiles.tail_tile)
-    with torch.no_grad():
-        slots = gather_slots(hidden.detach(), inputs.completion_ids, plan, engine.shard.start, inputs.hidden_rows)
-        head = make_head(weight, bias, cfg, streaming.stat_dtype(slots.x), rounded, inputs.split_ref_head)
-        logp, _, _ = statistics_pass(engine, slots.x, slots.targets, head.detached(), plan.tiles)
-        ref = tiling.from_slots(logp, plan, mask.numel()).view(mask.shape)
-    return dataclasses.replace(inputs, ref_per_token_logps=ref)

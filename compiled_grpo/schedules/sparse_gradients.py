@@ -36,10 +36,12 @@ from .recompute import Recompute, StatisticsThenRecompute
 def workspace_bytes(engine: Engine, plan: TilePlan, head: Head) -> int:
     """The statistics pass's [stats_rows, V] product, or the token-outer gradient pass's: a [sparse_tile, V]
     product and at most 2 stats_rows rows of 16-bit gradients (the vocabulary-outer pass takes over beyond); each
-    product float32, or 16-bit where the head rounds it. float32/64 inputs: the float32 [V, H] dW sum instead."""
+    product float32, or 16-bit where the head rounds it. float32/64 inputs: the float32 [V, H] dW sum instead. A
+    split head's whole terms on top."""
     t, vocab, product = engine.tiles, head.weight.shape[0], products.product_bytes(head)
     kept = 4 * head.weight.numel() if head.weight.dtype in WIDE else 2 * min(plan.slots, 2 * t.stats_rows) * vocab
-    return max(product * t.stats_rows * vocab, product * t.sparse_tile * vocab + kept)
+    biggest = max(product * t.stats_rows * vocab, product * t.sparse_tile * vocab + kept)
+    return biggest + products.whole_terms_bytes(head)
 
 
 def workspace_bound(tiles, weight) -> int:

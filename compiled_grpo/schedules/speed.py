@@ -26,10 +26,9 @@ from ..tiling import TilePlan
 from . import captured_call, passes
 from .passes import Engine, TokenOuterGradients, Wanted
 
-# Up to this hidden size the speed schedule keeps its full tile even where dW is summed over groups: the float32
-# [V, H] sum is small there, and fewer tiles mean fewer evaluations of the objective, whose launches leave the
-# GPU idle at small H (one H200 run, 8192 tokens, V=151936: H896 16.7 -> 15.9 ms, H1536 23.4 -> 21.7 ms with
-# 2048-token tiles instead of 1024, at 2.84 and 3.21 GiB instead of 2.26 and 2.63).
+# Up to this hidden size the speed schedule keeps its full tile even where dW is summed over groups: the [V, H] sum is
+# small there, and fewer tiles mean fewer launches of the objective (H200, 8192 tokens, V=151936: H896 16.7 -> 15.9
+# ms, H1536 23.4 -> 21.7 ms with 2048-token tiles instead of 1024, at 2.84 and 3.21 GiB instead of 2.26 and 2.63).
 SMALL_HIDDEN = 2048
 
 NAME = "speed"
@@ -79,24 +78,25 @@ def tile_and_group(engine: Engine, head: Head, accumulates: bool, lean: bool) ->
     halved = lean or (accumulates and head.weight.shape[1] > SMALL_HIDDEN)
     tile = t.accumulating_speed_tile if halved else t.speed_tile
     # split products keep float32 logits gradients (twice a 16-bit head's bytes): one group per tile holds the least
-    return tile, tile if lean or head.terms is not None else t.speed_group
+    return tile, tile if lean or head.split else t.speed_group
 
 
 def workspace_bound(engine: Engine, head: Head, lean: bool = False) -> int:
     """The workspace of the largest plan `plan` can make, known before its wait on the GPU: full tiles, and dW
     summed in float32 (keeping every token's 16-bit gradient instead is chosen only where it is no larger)."""
-    vocab, kept = head.weight.shape[0], head.weight.element_size()  # a float32 head keeps float32 gradients
+    # a float32 head keeps float32 gradients; a split head's terms are held whole by this schedule
+    vocab, kept, terms = head.weight.shape[0], head.weight.element_size(), products.whole_terms_bytes(head)
     if not head.weight.requires_grad:
         tile, _ = tile_and_group(engine, head, False, lean)
-        return (4 + kept) * tile * vocab
+        return (4 + kept) * tile * vocab + terms
     tile, group = tile_and_group(engine, head, True, lean)
-    return 4 * tile * vocab + kept * max(tile, group) * vocab + 4 * head.weight.numel()
+    return 4 * tile * vocab + kept * max(tile, group) * vocab + 4 * head.weight.numel() + terms
 
 
 def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
     """A tile's GEMM output (float32, or 16-bit where the head rounds it), plus the logits gradients kept for dW
     (in the weight's dtype): every token's (buffered), a group's and the float32 dW sum (accumulated), or one tile's
-    (no weight gradient)."""
+    (no weight gradient); plus a split head's whole terms."""
     vocab, size = head.weight.shape[0], head.weight.element_size()
     if not head.weight.requires_grad:
         kept = size * plan.tile * vocab
@@ -104,7 +104,7 @@ def workspace_bytes(engine: Engine, plan: SpeedPlan, head: Head) -> int:
         kept = size * plan.gradient.slots * vocab
     else:
         kept = size * max(plan.tile, plan.group) * vocab + 4 * head.weight.numel()
-    return products.product_bytes(head) * plan.tile * vocab + kept
+    return products.product_bytes(head) * plan.tile * vocab + kept + products.whole_terms_bytes(head)
 
 
 class FlatStatistics:
