@@ -95,14 +95,14 @@ print(grown / terms.numel() / terms.element_size())
 
 def test_splitting_the_weight_holds_the_terms_and_one_slice():
     """The weight's terms are made a slice of rows at a time: the process's peak grows by the terms and a few
-    slices' temporaries (1.17x the terms here; the whole-weight split held the terms twice: 2.0x)."""
+    slices' temporaries (1.17x the terms here, the bound 1.33x; the whole-weight split held the terms twice: 2.0x)."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", SPLIT_PEAK], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     slice_share = products.TERM_ROWS * 2048 * 4 / (65536 * 3 * 2048 * 2)  # one float32 slice against the terms
-    assert float(done.stdout) <= 1.0 + 3 * slice_share, done.stdout
+    assert float(done.stdout) <= 1.0 + 4 * slice_share, done.stdout  # the whole-weight split: 2.0
 
 
 def test_primitive_takes_the_fp32_head(monkeypatch):
