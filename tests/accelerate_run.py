@@ -106,8 +106,9 @@ def train(name: str, out: Path, scenario: str) -> None:
 
 def end_launch() -> None:
     """End a launched rank once its results are written. The interpreter's own teardown aborts now and then on the
-    CPU ("terminate called without an active exception", after every step has run, with the process group destroyed
-    or not), which would fail a launch whose numbers are all in."""
+    CPU ("terminate called without an active exception", after every step has run): gloo's worker threads outlive
+    the interpreter where a group is left alive (pytorch/pytorch#190489), which would fail a launch whose numbers
+    are all in."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
