@@ -207,6 +207,37 @@ def test_vocab_parallel_matches_unsharded_head():
     spawn(vocab_parallel_worker, 2, 11)
 
 
+def vocab_parallel_fp32_head_worker(rank, world, seed):
+    """An fp32 head's products from its terms made per vocabulary slice on each rank (the memory schedule), the
+    slices' partial statistics merged on the rank and combined across ranks: the unsharded split head's call."""
+    from compiled_grpo import products
+
+    products.SPLIT_ON_CPU = True
+    x = whole_batch(1, seed)
+    x = {k: v.float() if v.is_floating_point() else v for k, v in x.items()}
+    x["hidden"] = x["hidden"].bfloat16()
+    s = {**settings("dapo", 1.0), "temperature": 0.8}
+    expected, expected_dh, expected_dw = run(FusedLinearGRPOLoss(compiled=False, schedule="memory", **TILES, **s), x)
+    init(rank, world)
+    try:
+        cut = [0, 19, V]  # unequal slices, each cut again into vocab_tile slices on its rank
+        lo, hi = cut[rank], cut[rank + 1]
+        loss_fn = FusedLinearGRPOLoss(compiled=False, schedule="memory", vocab_parallel_group=dist.group.WORLD,
+                                      **TILES, **s)  # fmt: skip
+        out, dh, dw = run(loss_fn, {**x, "weight": x["weight"][lo:hi]}, vocab_start=lo)
+        close(out.loss, expected.loss, f"rank {rank} fp32-head loss", rtol=1e-5)
+        close(out.per_token_logps, expected.per_token_logps, "logp", rtol=1e-5)
+        close(out.entropy, expected.entropy, "entropy", rtol=1e-5)
+        close(dw, expected_dw[lo:hi], "weight gradient slice", rtol=1e-5)
+        close(dh, expected_dh, "hidden gradient (bf16)", rtol=2e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_fp32_head_terms_per_slice():
+    spawn(vocab_parallel_fp32_head_worker, 2, 23)
+
+
 # (schedule asked for, settings, the schedule that runs): the speed and sparse schedules on a vocabulary-parallel
 # head, and "auto" choosing among them as on one process
 VOCAB_PARALLEL_CASES = [
