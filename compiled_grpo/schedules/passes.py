@@ -95,7 +95,7 @@ def statistics_pass(engine: Engine, x, targets, head: Head, tiles, extras: bool 
         raise ValueError("the extra statistics need the whole vocabulary on one rank (no vocabulary-parallel head)")
     if head.sliced_terms and tiles and not extras:  # a split head's terms made per vocabulary slice
         return sliced_statistics.statistics(engine, x, targets, head, tiles)
-    head = head.with_whole_terms()
+    head = head.with_whole_terms() if extras else head  # no tile: nothing is multiplied
     fold = engine.kernels.statistics_with_extras if extras else engine.kernels.statistics
     fold = engine.kernels.partial_statistics if engine.shard.parallel else fold
     outs = [fold(x[s : s + n], targets[s : s + n], head.rows(s, n)) for s, n in statistics_pieces(engine, tiles)]
