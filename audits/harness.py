@@ -4,11 +4,10 @@ measure."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from compiled_grpo import products
+from compiled_grpo import GRPOLossConfig, products
+from compiled_grpo.head import make_head
 
 from . import reference
 
@@ -128,5 +127,6 @@ def fp32_head_product_ratio(hidden: torch.Tensor, weight: torch.Tensor, floor: f
         return 1.0
     exact = x.double() @ w.double().T
     float32_error = relative_error(x.float() @ w.T, exact, floor)
-    split = products.gemm_product(x.float(), SimpleNamespace(terms=products.weight_terms(w), rounded=False, weight=w))
+    head = make_head(w, None, GRPOLossConfig(), torch.float32, split=True).with_whole_terms()  # the loss's own head
+    split = products.gemm_product(x.float(), head)
     return max(1.0, relative_error(split, exact, floor) / max(float32_error, floor * 2.0**-24))

@@ -261,3 +261,14 @@ def test_auto_counts_the_whole_terms_in_the_speed_schedules_workspace(monkeypatc
     for budget, expected in ((bound, "speed"), (bound - 1, "memory")):
         loss_fn = FusedLinearGRPOLoss(compiled=False, logits_budget_bytes=budget, loss_type="dapo", **TILES)
         assert run_fused(loss_fn, x)[0].schedule == expected, budget
+
+
+def test_audit_product_ratio_runs_the_split_product(monkeypatch):
+    """The audit's fp32-head scale: 1 where the head's products are float32 GEMMs, and computed from the split
+    product (as on a GPU) where it splits; the split's exact float32 sums here stay within float32 GEMMs' error."""
+    from audits import harness
+
+    x, w = torch.randn(148, 32).bfloat16(), torch.randn(1021, 32)
+    assert harness.fp32_head_product_ratio(x, w, 1e-30) == 1.0
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    assert 1.0 <= harness.fp32_head_product_ratio(x, w, 1e-30) < 2.0
