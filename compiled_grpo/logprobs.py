@@ -97,7 +97,7 @@ def fused_linear_logprobs(
 
 def logprobs_of_call(hidden, weight, targets, bias, options: Options, *, entropy: bool, extras: bool = False):
     """(LogProbs, ExtraStatistics or None): the statistics pass with its recomputing backward, checked."""
-    check_options(options, entropy)
+    checks.check_flags(entropy=entropy)  # the other options: `prepare`
     call = prepare(hidden, weight, targets, bias, options)
     parallel = call.engine.shard.parallel
     function = StatisticsThenRecompute if parallel else StatisticsThenSparseGradients
@@ -216,7 +216,7 @@ class Options(NamedTuple):
 
 def prepare(hidden, weight, targets, bias, o: Options) -> Call:
     """Checks, autocast casts, the tile plan over the positions with a target, and the head."""
-    check_options(o, entropy=True)
+    check_options(o)
     check_inputs(hidden, weight, targets, bias, o.temperature)
     hidden, weight, bias = under_autocast(hidden, weight, bias)
     split = products.splits(hidden, weight)

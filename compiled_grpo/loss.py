@@ -80,7 +80,7 @@ class FusedLinearGRPOLoss:
         checks.unknown_names(settings, SETTING_NAMES + CONSTRUCTOR_OPTIONS, "FusedLinearGRPOLoss()")
         self.config = GRPOLossConfig(**settings)
         options.check_schedule(schedule, self.config)
-        options.check_flags(compiled=compiled, validate=validate, capture=capture, round_logits=round_logits)
+        checks.check_flags(compiled=compiled, validate=validate, capture=capture, round_logits=round_logits)
         self.schedule, self.validate, self.round_logits = schedule, validate, round_logits
         self.tile_overrides = options.tile_overrides(
             token_tile=token_tile, tail_tile=tail_tile, vocab_tile=vocab_tile, stats_rows=stats_rows,

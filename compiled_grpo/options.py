@@ -5,7 +5,6 @@ from __future__ import annotations
 import numbers
 
 from . import distributed
-from .checks import check_flags  # noqa: F401 (the loss's flags are checked as the primitive's)
 from .schedules.choice import SCHEDULES
 from .tiling import TILE_NAMES
 

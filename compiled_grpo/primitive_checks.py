@@ -42,11 +42,10 @@ def check_inputs(hidden, weight, targets, bias, temperature) -> None:
             raise TypeError(f"{name}: is on {x.device}, hidden on {hidden.device}: every input must be on one device")
 
 
-def check_options(o, entropy: bool) -> None:
+def check_options(o) -> None:
     """The call's options, checked as the loss checks its own (same messages): flags are bools, ignore_index an int,
     logit_scale finite and > 0, final_logit_softcapping None or finite and > 0, vocab_start an int."""
-    checks.check_flags(entropy=entropy, compiled=o.compiled, validate=o.validate, capture=o.capture,
-                        round_logits=o.round_logits)  # fmt: skip
+    checks.check_flags(compiled=o.compiled, validate=o.validate, capture=o.capture, round_logits=o.round_logits)
     for name in ("ignore_index", "vocab_start"):
         value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):

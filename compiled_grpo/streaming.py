@@ -169,13 +169,6 @@ def merge_partials(a: tuple, b: tuple) -> tuple:
     return m, s_a * scale_a + s_b * scale_b, (u_a + s_a * gap_a) * scale_a + (u_b + s_b * gap_b) * scale_b, t_a + t_b
 
 
-def statistics_of_partials(m, s, u, target):
-    """(logp, entropy, lse) from the whole vocabulary's (m, s, u, target logit) (`merge_partials`)."""
-    log_s = torch.log(s)
-    lse = m + log_s
-    return target - lse, log_s - u / s, lse
-
-
 def partial_statistics_and_product_tile(x, local_targets, head: Head):
     """`partial_statistics_tile` that also hands back the GEMM output x @ w.T of this rank's slice (the speed
     schedule's vocabulary-parallel tile)."""

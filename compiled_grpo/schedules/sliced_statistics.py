@@ -1,8 +1,8 @@
 """The statistics pass of a split fp32 head vocabulary-outer: each vocabulary slice's bf16 terms made once
 (`Head.vocab_slice`) and read by every token tile, so the pass holds one slice's terms instead of the whole weight's
 (three bf16 copies of it: 3 GiB at V 151936, H 3584). Each (token tile, slice) gives the slice's partial statistics
-(m, s, u, target logit), merged slice after slice (`streaming.merge_partials`); a vocabulary-parallel shard's are
-then combined across its group, as the token-outer pass combines them.
+(m, s, u, target logit), merged slice after slice (`streaming.merge_partials`), then finished as a vocabulary-parallel
+shard's are (`distributed.combine_vocab_shards`: across its group, or on this rank alone).
 """
 
 from __future__ import annotations
@@ -22,6 +22,4 @@ def statistics(engine, x, targets, head: Head, tiles) -> tuple:
                  for s, n in tiles]  # fmt: skip
         part = tuple(torch.cat(p) for p in zip(*parts, strict=True))
         merged = part if merged is None else streaming.merge_partials(merged, part)
-    if engine.shard.parallel:
-        return distributed.combine_vocab_shards(*merged, engine.shard.group)
-    return streaming.statistics_of_partials(*merged)
+    return distributed.combine_vocab_shards(*merged, engine.shard.group)  # no communication on one rank
