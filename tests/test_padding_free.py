@@ -136,7 +136,7 @@ def test_a_packed_sequence_equals_the_sequence_alone():
     inputs = varied_batch()
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     lengths = plan.read(None, [inputs], with_zeros=False)[0].lengths
-    forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), {})
+    forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), None)
     with torch.no_grad():
         packed = packing.pack(ids, lengths, torch.arange(B), 8)
         both, _ = forward(packed)
@@ -162,7 +162,7 @@ def test_positions_not_restarted_are_caught(monkeypatch):
     inputs = varied_batch()
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     lengths = plan.read(None, [inputs], with_zeros=False)[0].lengths
-    forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), {})
+    forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), None)
     assert "keep packed sequences apart" in (padding_free.packing_fails(forward, ids, lengths) or "")
 
 

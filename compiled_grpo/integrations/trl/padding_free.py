@@ -3,18 +3,17 @@
 `padding_free="pack"` packs each micro-batch where the model keeps packed sequences apart (checked once per trainer,
 `packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward; `"auto"` (the default)
 is "pack" on a GPU from hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
-Packed forwards run under the attention implementation `attention_for` picks (only while they run: generation and
-every other forward keep the model's own). Not packed, trimmed instead (said once): multimodal inputs (not
+Packed forwards run under the attention implementation `attention_for` picks; where it is not the model's own, the
+model dispatches each call by its own arguments (`packed_attention`), so that a layer recomputed by gradient
+checkpointing attends as its forward did, and every other forward (generation, padded ones) keeps the model's own. Not packed, trimmed instead (said once): multimodal inputs (not
 trimmed either), a MoE auxiliary loss (its balance counts every position of the row), rows whose masks have holes.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from . import zero_advantage
+from . import packed_attention, zero_advantage
 from .hidden_states import hidden_states_at_head
 from .packing import PackedRows, can_pack, pack, targets
 from .plan import Lengths
@@ -63,6 +62,17 @@ def configure(trainer, mode, attention, bucket: int) -> None:
     trainer.packed_attention = attention_for(attention, model, device)
     trainer.packed_bucket = bucket
     trainer.packing_refused = None
+    if trainer.padding_free_mode == "pack":
+        why_not = packed_attention.runs_on(trainer.packed_attention, device)
+        if why_not:
+            raise ValueError(f"packed_attention={trainer.packed_attention!r}: {why_not}")
+        if trainer.packed_attention is not None:
+            packed_attention.install(transformers_model(model))
+
+
+def transformers_model(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def effective_mode(mode, hidden_size: int, device: torch.device):
@@ -76,26 +86,12 @@ def attention_for(choice: str | None, model, device: torch.device) -> str | None
     """The attention implementation packed forwards run under (None: the model's own). "auto": on a GPU, the model's
     FlashAttention where it uses one, else FlexAttention from hidden size `FLEX_HIDDEN_SIZE` and SDPA below it; on
     the CPU the model's own."""
+    own = packed_attention.own_implementation(model)
     if choice != "auto":
-        return choice
-    own = model.config._attn_implementation
+        return None if choice == own else choice
     if device.type != "cuda" or own is None or "flash" in own:
         return None
     return "flex_attention" if model.config.get_text_config().hidden_size >= FLEX_HIDDEN_SIZE else "sdpa"
-
-
-@contextlib.contextmanager
-def attention_as(model, name: str | None):
-    """The model (and its submodels) under attention implementation `name` while the block runs."""
-    own = model.config._attn_implementation
-    if name is None or name == own:
-        yield
-        return
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(own)
 
 
 def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
@@ -174,12 +170,15 @@ def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int = 1)
             "model does not keep packed sequences apart (its attention ignores the positions' restarts)")  # fmt: skip
 
 
-def packed_ids_forward(model, lm_head, extra: dict):
-    """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position."""
+def packed_ids_forward(model, lm_head, attention: str | None):
+    """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position;
+    its layers attend with `attention` (None: the model's own), by the forward's own arguments (`packed_attention`)."""
 
     def forward(packed: PackedRows):
-        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, **extra}
-        hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                  **packed_attention.forward_kwargs(attention)}  # fmt: skip
+        with packed_attention.packed_masks(attention):
+            hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
         return hidden[0], outputs
 
     return forward
@@ -194,9 +193,8 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     micro-batch can be (`packs`), else `padded(rows)` on its rows as given (trimmed where
     `lengths` is known), split by the row plan."""
     unwrapped = trainer.accelerator.unwrap_model(model)
-    rows_forward = packed_ids_forward(model, unwrapped.get_output_embeddings(), {})
+    rows_forward = packed_ids_forward(model, unwrapped.get_output_embeddings(), trainer.packed_attention)
     ids = model_inputs["input_ids"]
     if lengths is not None and packs(trainer, rows_forward, ids, lengths):
-        with attention_as(unwrapped, trainer.packed_attention):
-            return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket)
+        return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket)
     return (*zero_advantage.split_forward(padded, model_inputs, plan), None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import padding_free
+from . import packed_attention, padding_free
 from .packing import pack, targets
 from .plan import Lengths, real_spans
 
@@ -27,10 +27,9 @@ def per_token_logps(trainer, padded, model, input_ids, attention_mask, logits_to
     spans = real_spans({"prompt_mask": masks[0], "completion_mask": masks[1]}).cpu()
     lengths = Lengths(spans[:, 0], spans[:, 1], bool(spans[:, 2].all()), masks, ())
     unwrapped = trainer.accelerator.unwrap_model(model)
-    forward = padding_free.packed_ids_forward(model, unwrapped.get_output_embeddings(), {})
+    forward = padding_free.packed_ids_forward(model, unwrapped.get_output_embeddings(), trainer.packed_attention)
     if padding_free.packs(trainer, forward, input_ids, lengths):
-        with padding_free.attention_as(unwrapped, trainer.packed_attention):
-            return packed_logps(trainer, model, input_ids, lengths, batch_size), None, None
+        return packed_logps(trainer, model, input_ids, lengths, batch_size), None, None
     keep_p, keep_c = int(lengths.prompt.max()), max(int(lengths.completion.max()), 1)
     columns = slice(P - keep_p, P + keep_c)
     logps, _, _ = padded(model, input_ids[:, columns], attention_mask[:, columns], keep_c, batch_size=batch_size)
@@ -48,9 +47,10 @@ def packed_logps(trainer, model, input_ids, lengths: Lengths, batch_size: int | 
         t = targets(lengths, rows, packed.starts, C, input_ids.device)
         labels = torch.full_like(packed.input_ids, -100)
         labels[0, t.row_index] = completions[rows[0] : rows[-1] + 1].reshape(-1).index_select(0, t.flat)
-        with trainer.accelerator.autocast():
+        attention = trainer.packed_attention
+        with trainer.accelerator.autocast(), packed_attention.packed_masks(attention):
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, shift_labels=labels,
-                        fused_lm_head=True)  # fmt: skip
+                        fused_lm_head=True, **packed_attention.forward_kwargs(attention))  # fmt: skip
         chunk = out.log_probs.new_zeros(len(rows) * C).index_put((t.flat,), out.log_probs[0, t.row_index])
         chunks.append(chunk.view(len(rows), C))
     return torch.cat(chunks)
