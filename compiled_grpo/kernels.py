@@ -40,16 +40,26 @@ def notice_compiling() -> None:
 
 
 # Frames a warning skips to reach the user's line: this package's, and torch's (a call through an autograd Function
-# runs this package's forward from torch/autograd/function.py, which would otherwise be named).
+# runs this package's forward from torch/autograd/function.py, which would otherwise be named); and those of the
+# frameworks that call it on the user's behalf where they are loaded (a `trainer.train()` reaches the loss through
+# transformers', accelerate's and TRL's trainers).
 SKIPPED_PACKAGES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                          for m in (sys.modules[__package__], torch))  # fmt: skip
+CALLING_FRAMEWORKS = ("trl", "transformers", "accelerate", "peft", "deepspeed")
+
+
+def skipped_packages() -> tuple[str, ...]:
+    loaded = (sys.modules.get(name) for name in CALLING_FRAMEWORKS)
+    frameworks = (os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in loaded if getattr(m, "__file__", 0))
+    return SKIPPED_PACKAGES + tuple(frameworks)
 
 
 def frames_to_caller() -> int:
-    """warnings' stacklevel of the first frame outside this package and torch (the user's call), counted from the
-    caller."""
+    """warnings' stacklevel of the first frame outside this package, torch and the frameworks that call it (the
+    user's call), counted from the caller."""
+    skipped = skipped_packages()
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(SKIPPED_PACKAGES):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -41,3 +41,15 @@ def test_the_notice_of_the_primitive_names_the_users_line(monkeypatch):
     weight = torch.randn(50, 8)
     notice = first_notice(monkeypatch, lambda: fused_linear_logprobs(hidden, weight, torch.randint(0, 50, (6,))))
     assert notice.filename == __file__, notice.filename
+
+
+def test_the_notice_of_a_trainers_train_names_the_users_line(monkeypatch, tmp_path):
+    """Under `trainer.train()` the loss is reached through transformers', accelerate's and TRL's frames: skipped too."""
+    from test_integration_trl import make_trainer, tiny_model
+
+    from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+
+    trainer = make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(dtype=torch.float32), gradient_checkpointing=True)
+    trainer.fused_loss = FusedLinearGRPOLoss(compiled=True, schedule="memory", **TILES)  # its kernels compiled
+    notice = first_notice(monkeypatch, trainer.train)
+    assert notice.filename == __file__, notice.filename

@@ -68,6 +68,23 @@ def configure(trainer, mode, attention, bucket: int) -> None:
             raise ValueError(f"packed_attention={trainer.packed_attention!r}: {why_not}")
         if trainer.packed_attention is not None:
             packed_attention.install(transformers_model(model))
+    say_once(trainer, chosen(trainer, mode, attention, model))
+
+
+def chosen(trainer, mode, attention, model) -> str:
+    """What the trainer's forwards run and why, in a sentence."""
+    hidden, device = model.config.get_text_config().hidden_size, trainer.accelerator.device.type
+    why = f"padding_free={mode!r}" + (f" on a {device} at hidden size {hidden}" if mode == "auto" else "")
+    if trainer.padding_free_mode is False:
+        return f"micro-batches run padded, as GRPOTrainer's ({why})"
+    if trainer.padding_free_mode == "trim":
+        return f"micro-batches are trimmed to their longest prompt and completion, not packed ({why})"
+    own = packed_attention.own_implementation(model)
+    runs = trainer.packed_attention or own
+    how = "the model's own" if trainer.packed_attention is None else f"dispatched by each call, the model's own {own!r} "
+    how += "" if trainer.packed_attention is None else "for every other call"
+    return (f"micro-batches are packed where it pays ({why}), their attention {runs!r} (packed_attention="
+            f"{attention!r}: {how})")
 
 
 def transformers_model(model):
@@ -195,6 +212,17 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     unwrapped = trainer.accelerator.unwrap_model(model)
     rows_forward = packed_ids_forward(model, unwrapped.get_output_embeddings(), trainer.packed_attention)
     ids = model_inputs["input_ids"]
-    if lengths is not None and packs(trainer, rows_forward, ids, lengths):
+    packed = lengths is not None and packs(trainer, rows_forward, ids, lengths)
+    if lengths is not None and model.training:
+        log_real_tokens(trainer, lengths, packed)
+    if packed:
         return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket)
     return (*zero_advantage.split_forward(padded, model_inputs, plan), None)
+
+
+def log_real_tokens(trainer, lengths: Lengths, packed: bool) -> None:
+    """This rank's micro-batch among the trainer's metrics (averaged over a logging period, as TRL's): whether it was
+    packed (the share of packed micro-batches) and its real prompt and completion tokens, known on the host."""
+    metrics = trainer._metrics["train"]
+    metrics["padding_free/packed_fraction"].append(float(packed))
+    metrics["padding_free/real_tokens"].append(float(lengths.prompt.sum() + lengths.completion.sum()))

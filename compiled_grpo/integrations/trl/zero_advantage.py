@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from ... import kernels
 from . import plan
 
 SKIP_MODES = ("auto", "backward", "all", False)
@@ -243,4 +244,4 @@ def say_once(trainer, message: str, category: type[UserWarning] = SkipNotice) ->
     said = trainer.__dict__.setdefault("_notices", set())
     if message not in said:
         said.add(message)
-        warnings.warn(f"compiled_grpo: {message}", category, stacklevel=3)
+        warnings.warn(f"compiled_grpo: {message}", category, stacklevel=kernels.frames_to_caller())

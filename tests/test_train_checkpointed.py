@@ -1,0 +1,159 @@
+"""`trainer.train()` as users run it: TRL's default gradient checkpointing on (reentrant and not), every padding-free
+mode and every packed attention that runs on a CPU, on models created with "eager" and with "sdpa" attention. Each
+optimizer step's loss and gradients equal GRPOTrainer's under the same checkpointing; packing is asserted to have
+happened (the trainer's own `padding_free/packed_fraction` metric), so a silent fallback cannot pass. The sabotage:
+today's packed forward under a model-wide switch of the attention, undone before the backward, turns them red."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from datasets import Dataset
+from test_integration_trl import tokenizer
+from test_skip_zero_advantage import tiny_qwen2
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packed_attention, padding_free
+
+STEPS = 3
+# prompts of 1 and 8 tokens in every micro-batch (2 prompts x 4 generations): left padding that packing removes
+PROMPTS = ["a", "b c d e f g h i", "1", "2 3 4 5 6 7 8 9"]
+
+
+def prompt_reward(prompts, completions, **kwargs):
+    """0 for every completion of a prompt of one token (groups at advantage 0), else the count of its digits."""
+    return [0.0 if len(p.split()) == 1 else float(sum(ch.isdigit() for ch in c)) for p, c in zip(prompts, completions)]
+
+
+class GradientsPerStep(TrainerCallback):
+    """Each optimizer step's accumulated gradients, taken just before the optimizer applies them."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def train(tmp_path, cls, attention: str, reentrant: bool, **options):
+    """(each step's logged loss, each step's gradients, the trainer) of `STEPS` optimizer steps of `train()` on a tiny
+    float32 Qwen2 created with `attention`, checkpointing as GRPOConfig turns it on."""
+    model = tiny_qwen2(tie=False)
+    model.set_attn_implementation(attention)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2, optim="sgd", logging_steps=1, seed=0,
+        report_to=[], use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+    )  # fmt: skip
+    data = Dataset.from_dict({"prompt": PROMPTS * 8})
+    extra = {"compiled": False, **options} if cls is CompiledGRPOTrainer else {}
+    trainer = cls(model=model, reward_funcs=prompt_reward, args=args, train_dataset=data,
+                  processing_class=tokenizer(), **extra)  # fmt: skip
+    grads = GradientsPerStep()
+    trainer.add_callback(grads)
+    trainer.train()
+    assert trainer.model.is_gradient_checkpointing
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, grads.steps, trainer
+
+
+@functools.cache
+def grpo_trainer_run(attention: str, reentrant: bool, tmp_root: str):
+    losses, grads, _ = train(f"{tmp_root}/trl-{attention}-{reentrant}", GRPOTrainer, attention, reentrant)
+    return losses, grads
+
+
+def assert_steps_equal(ours, theirs, rel=1e-5):
+    losses, grads = ours
+    assert len(losses) == len(theirs[0]) == STEPS and len(grads) == len(theirs[1]) == STEPS
+    assert losses == pytest.approx(theirs[0], rel=rel, abs=1e-7)
+    for step, (mine, their) in enumerate(zip(grads, theirs[1], strict=True)):
+        assert mine.keys() == their.keys()
+        for name, g in their.items():
+            err, scale = float((mine[name] - g).abs().max()), float(g.abs().max())
+            assert err <= rel * max(scale, 1e-6), f"step {step}, {name}: {err:.2e} (scale {scale:.2e})"
+
+
+def packed_share(trainer) -> float:
+    """The share of micro-batches packed (0 where the trainer logs none: padding_free=False)."""
+    shares = [e["padding_free/packed_fraction"] for e in trainer.state.log_history if "padding_free/packed_fraction"
+              in e]  # fmt: skip
+    return sum(shares) / max(len(shares), 1)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("train"))
+
+
+MODES = [("pack", "auto"), ("pack", "sdpa"), ("pack", "eager"), ("trim", "auto"), (False, "auto"), ("auto", "auto")]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("model_attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}-{m[1]}")
+def test_train_with_checkpointing_equals_grpo_trainer(tmp_path, tmp_root, mode, model_attention, reentrant):
+    padding, attention = mode
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, model_attention, reentrant, padding_free=padding,
+                                   packed_attention=attention, skip_zero_advantage=False)  # fmt: skip
+    assert_steps_equal((losses, grads), grpo_trainer_run(model_attention, reentrant, tmp_root))
+    share = packed_share(trainer)
+    assert share == (1.0 if padding == "pack" else 0.0), f"packed share {share}"
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("skip", ["backward", "all"])
+def test_train_packed_and_skipping_equals_grpo_trainer(tmp_path, tmp_root, skip, reentrant):
+    """Groups at advantage 0 skip their backward ("backward": forwarded without grad, packed apart) or everything
+    ("all"), the packed forwards on another attention than the model's."""
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", reentrant, padding_free="pack",
+                                   packed_attention="sdpa", skip_zero_advantage=skip)  # fmt: skip
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", reentrant, tmp_root))
+    skipped = [e["zero_advantage/skipped_backward"] for e in trainer.state.log_history if "zero_advantage/skipped_"
+               "backward" in e]  # fmt: skip
+    assert skipped and max(skipped) > 0 and packed_share(trainer) > 0
+
+
+def switched_forward(model, lm_head, attention):
+    """The sabotage: the packed forward under a model-wide switch of the attention, undone when the forward
+    returns (before the backward recomputes the checkpointed layers)."""
+    plain = ORIGINAL_PACKED_IDS_FORWARD(model, lm_head, None)
+
+    @contextlib.contextmanager
+    def switched():
+        base = padding_free.transformers_model(model)
+        own = base.config._attn_implementation
+        base.set_attn_implementation(attention)
+        try:
+            yield
+        finally:
+            base.set_attn_implementation(own)
+
+    def forward(packed):
+        with switched():
+            return plain(packed)
+
+    return forward
+
+
+ORIGINAL_PACKED_IDS_FORWARD = padding_free.packed_ids_forward
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_switch_undone_before_the_backward_turns_the_matrix_red(tmp_path, tmp_root, monkeypatch, reentrant):
+    monkeypatch.setattr(padding_free, "packed_ids_forward", switched_forward)
+    monkeypatch.setattr(packed_attention, "install", lambda model: None)  # the model stays on its own attention
+    with pytest.raises((AssertionError, torch.utils.checkpoint.CheckpointError)):
+        losses, grads, _ = train(tmp_path, CompiledGRPOTrainer, "eager", reentrant, padding_free="pack",
+                                 packed_attention="sdpa", skip_zero_advantage=False)  # fmt: skip
+        assert_steps_equal((losses, grads), grpo_trainer_run("eager", reentrant, tmp_root))
+
+
+def test_flex_attention_on_a_cpu_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="FlexAttention's backward runs on a GPU only"):
+        train(tmp_path, CompiledGRPOTrainer, "sdpa", False, padding_free="pack", packed_attention="flex_attention")
