@@ -197,21 +197,43 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int, accumulation: int = 1):
+def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion: int, accumulation: int = 1,
+                 checkpointing: bool = True):  # fmt: skip
     cls, options = TRAINERS[name]
     options = dict(options or {})
     config = options.pop("config", {})
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
-        top_entropy_quantile=q, gradient_accumulation_steps=accumulation, **config,
+        top_entropy_quantile=q, gradient_accumulation_steps=accumulation, gradient_checkpointing=checkpointing,
+        **config,
     )  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a"] * size * accumulation})
     extra = {"compiled": True, **options} if issubclass(cls, CompiledGRPOTrainer) else {}
     t = cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
             train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
     t.current_gradient_accumulation_steps = accumulation  # set by train(); this step runs outside it
+    checkpoint_as_train_does(t)
     return t
+
+
+def checkpoint_as_train_does(t) -> None:
+    """The model's gradient checkpointing as `t.train()` sets it from `t.args` (TRL's GRPOConfig turns it on by
+    default): on with the arguments' kwargs, or off. The steps here run outside `train()`; the bound runs on the
+    same model, so it is checkpointed alike."""
+    args, model = t.args, t.accelerator.unwrap_model(t.model)
+    on = getattr(args, "activation_checkpointing", args.gradient_checkpointing)
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
+    if not on:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:  # transformers >= 5.20 (its every_n_layers and offload are train()'s to pop)
+        kwargs.pop("every_n_layers", None), kwargs.pop("offload", None)
+        enable(activation_checkpointing_kwargs=kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    model.train()
 
 
 def zero_groups(B: int, zeros: int, group: int) -> torch.Tensor:
@@ -446,9 +468,11 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
     q, zeros = BATCHES[kind]
     names = args.trainers.split(",")
     vocab, device, on_gpu, completion = setup["vocab"], setup["device"], setup["on_gpu"], setup["completion"]
+    checkpointing = args.gradient_checkpointing
     if not args.generation:
         batches = micro_batches(vocab, device, size, kind, C=completion)
-        trainers = {name: make_trainer(name, model, size, q, on_gpu, completion) for name in names}
+        trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, checkpointing=checkpointing)
+                    for name in names}  # fmt: skip
         compiled = [t for t in trainers.values() if isinstance(t, CompiledGRPOTrainer)]
         # the micro-batches' plans (rows at advantage 0, real spans) made before timing, as in training when the
         # generation batch is made
@@ -457,16 +481,22 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
             plan.annotate(compiled[0], batches, with_zeros=zeros_read)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
-        return f"{args.model} {kind} x{size}", steps, trainers
+        return f"{args.model} {kind} x{size}{checkpointing_label(checkpointing)}", steps, trainers
     count, optimizer = args.generation, setup["optimizer"]
     generation = micro_batch(vocab, device, size * count, zeros, C=completion, group=4)
     if kind.startswith("tail"):
         generation = with_tail(generation)
     setup["real_tokens"] = real_tokens(generation)
-    trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, count) for name in names}
+    trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, count, checkpointing)
+                for name in names}  # fmt: skip
     steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
-    return f"{args.model} {kind} x{size} step/{count}", steps, trainers
+    return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
+
+
+def checkpointing_label(on: bool) -> str:
+    """What a row's shape says of gradient checkpointing: nothing where it is on (as `train()` runs), else so."""
+    return "" if on else ", no checkpointing"
 
 
 def sweep(args) -> None:
@@ -478,7 +508,8 @@ def sweep(args) -> None:
     setup = {"vocab": vocab, "device": device, "on_gpu": on_gpu, "completion": completion, "optimizer": optimizer}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / (f"trl-step-{args.model}" + (f"-step{args.generation}" if args.generation else "") + ".json")
+    path = out / (f"trl-step-{args.model}" + (f"-step{args.generation}" if args.generation else "")
+                  + ("" if args.gradient_checkpointing else "-nockpt") + ".json")  # fmt: skip
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "trl": md.version("trl"), "transformers": md.version("transformers"),
                 "repeats": args.repeats}  # fmt: skip
@@ -490,7 +521,7 @@ def sweep(args) -> None:
             warmups = 2 if args.generation else 2 * (len(VARIED_LONGEST) if kind == "varied" else 1)
             for method, measured in timed(steps, args.repeats, on_gpu, reset, warmups).items():
                 row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method,
-                       "real_tokens": setup["real_tokens"]}  # fmt: skip
+                       "real_tokens": setup["real_tokens"], "gradient_checkpointing": args.gradient_checkpointing}
                 if args.generation:
                     row["micro_batches"] = args.generation
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)
@@ -519,7 +550,8 @@ def report(args) -> None:
     lines = [
         "# The TRL step: GRPOTrainer against CompiledGRPOTrainer",
         "",
-        f"{versions.get('gpu')}; torch {versions.get('torch')}. Random bf16 weights of each model's shape; completions "
+        f"{versions.get('gpu')}; torch {versions.get('torch')}, transformers {versions.get('transformers')}, TRL "
+        f"{versions.get('trl')}. {checkpointing_note(rows)} Random bf16 weights of each model's shape; completions "
         "of 1024 tokens after 64-token prompts (`varied`: four micro-batches taking turns, their longest completions "
         "1024, 819, 614 and 921 tokens), dapo; `_compute_loss` (the model's forward included) + backward, "
         f"median of {', '.join(f'{n} ({m})' for m, n in repeats.items())} steps after every micro-batch ran twice; "
@@ -550,6 +582,16 @@ def report(args) -> None:
         (out / "trl-step.md").write_text("\n".join(lines))
         draw_against_tokens([r for r in rows if r.get("micro_batches")], out / "trl-step-tokens.png", versions)
     print("\n".join(lines))
+
+
+def checkpointing_note(rows: list[dict]) -> str:
+    """How the rows ran gradient checkpointing (rows from before it was recorded ran without it)."""
+    on = {r.get("gradient_checkpointing", False) for r in rows}
+    if on == {True}:
+        return "Gradient checkpointing on in every row, as `trainer.train()` runs GRPOConfig's default."
+    if on == {False}:
+        return "Gradient checkpointing OFF in every row (`trainer.train()` turns it on by GRPOConfig's default)."
+    return "Gradient checkpointing on (as `trainer.train()` runs) except in the rows that say `no checkpointing`."
 
 
 def draw_against_tokens(rows: list[dict], path: Path, versions: dict) -> None:
@@ -611,6 +653,9 @@ def main(argv=None):
     ap.add_argument("--headline", action="store_true", help=f"the headline run's batches, sizes, trainers: {HEADLINE}")
     ap.add_argument("--repeats", type=int, default=9, help="rounds; each runs every method once")
     ap.add_argument("--generation", type=int, default=0, help="time whole optimizer steps over this many micro-batches")
+    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                    help="time the steps without gradient checkpointing (GRPOConfig's default, which train() turns "
+                    "on, is on)")  # fmt: skip
     ap.add_argument("--out", default="benchmark-results")
     ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
     args = ap.parse_args(argv)

@@ -162,10 +162,27 @@ def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(
     ]
     trl_step.main([*common, "--batches", "zero75"])
     trl_step.main([*common, "--batches", "half0", "--generation", "2"])
-    for name, shape in (("trl-step-tiny.json", "tiny zero75 x8"), ("trl-step-tiny-step2.json", "tiny half0 x8 step/2")):
+    trl_step.main([*common, "--batches", "zero75", "--no-gradient-checkpointing"])
+    runs = (("trl-step-tiny.json", "tiny zero75 x8", True), ("trl-step-tiny-step2.json", "tiny half0 x8 step/2", True),
+            ("trl-step-tiny-nockpt.json", "tiny zero75 x8, no checkpointing", False))  # fmt: skip
+    for name, shape, checkpointing in runs:
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert {r["method"] for r in rows} == {trl_step.BOUND, "grpo", "skip-all"}
         assert all(r["shape"] == shape and r["ms"] > 0 for r in rows)
+        assert all(r["gradient_checkpointing"] is checkpointing for r in rows)
+
+
+def test_trl_step_checkpoints_as_train_does(tmp_path):
+    """The benchmark's trainers turn the model's gradient checkpointing on as `train()` does (GRPOConfig's default),
+    with the config's kwargs, or off."""
+    from benchmarks import trl_step
+
+    model, _, completion = trl_step.make_model("tiny", "cpu")
+    trl_step.make_trainer("grpo", model, 8, 1.0, False, completion)
+    layer = model.model.layers[0]
+    assert model.is_gradient_checkpointing and layer.gradient_checkpointing and model.training
+    trl_step.make_trainer("grpo", model, 8, 1.0, False, completion, checkpointing=False)
+    assert not model.is_gradient_checkpointing and not layer.gradient_checkpointing
 
 
 def test_trl_step_headline_takes_its_batches_and_trainers_unless_given(monkeypatch):
