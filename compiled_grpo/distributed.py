@@ -71,9 +71,14 @@ def combine_vocab_shards(m, s, u, target, group):
 
 
 def full_tensor(t):
-    """A DTensor (FSDP2's sharded parameter) gathered once; its gradient flows back in the DTensor's layout."""
+    """A DTensor (FSDP2's sharded parameter) gathered once. Its gradient flows back reduce-scattered into the
+    DTensor's layout, averaged over the mesh as FSDP2 averages its own: each rank's gradient of the whole tensor is a
+    partial one (its own batch's), which `full_tensor()`'s default (a replicated gradient: each rank keeps its own
+    slice, unreduced) would leave unreduced."""
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Partial
     except ImportError:  # torch without DTensor
         return t
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)

@@ -227,8 +227,120 @@ def test_fsdp2_sharded_lm_head_two_ranks_match_one_process(tmp_path, reshard):
     assert torch.load(tmp_path / "error.pt") <= 1e-5
 
 
-def test_fsdp2_weight_read_after_the_forward_misses_the_other_ranks_gradients(tmp_path):
-    """What `within_head` prevents: read outside the lm_head unit's hooks, each rank's lm_head gradient shard is its
-    own batch's alone (FSDP2's reduce-scatter never sees it), so it is not the whole batch's."""
+def test_fsdp2_weight_read_after_the_forward_gets_the_whole_batchs_gradient(tmp_path):
+    """Read outside the lm_head unit's hooks, the weight is a resharded DTensor: the loss gathers it, and its gradient
+    is reduce-scattered (averaged as FSDP2's own), not each rank's own batch's alone."""
     spawn(fsdp2_worker, 2, True, True, tmp_path / "error.pt")
-    assert torch.load(tmp_path / "error.pt") > 0.1
+    assert torch.load(tmp_path / "error.pt") <= 1e-5
+
+
+def root_unit_worker(rank, world, reshard, result):
+    """A tiny Qwen2 wrapped as accelerate's TRANSFORMER_BASED_WRAP wraps it (each decoder layer a unit, the lm_head in
+    the root's with the embeddings and the final norm): CompiledGRPOTrainer's forward and fused loss
+    (`completion_hidden_states`, `loss_within_head` given the model), two micro-batches accumulated, against one
+    process on the whole batch."""
+    from test_skip_zero_advantage import tiny_qwen2
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compiled_grpo.integrations.trl.hidden_states import completion_hidden_states
+    from compiled_grpo.integrations.trl.sharded_head import loss_within_head
+
+    init(rank, world)
+    try:
+        prompt, completion = 3, 6
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 23, (world * B, prompt + completion), generator=g)
+        mask = (torch.rand(world * B, completion, generator=g) > 0.3).long()
+        advantages = torch.randn(world * B, generator=g)
+        loss_fn = FusedLinearGRPOLoss(compiled=False, loss_type="dapo")
+
+        def loss_of(model, rows, processes):
+            lm_head = model.get_output_embeddings()
+            hidden, _ = completion_hidden_states(model, lm_head, {"input_ids": ids[rows]}, completion)
+
+            def compute(weight, bias, hidden):
+                return loss_fn(hidden, weight, ids[rows, prompt:], mask[rows], advantages[rows],
+                               num_items_in_batch=mask.sum(), num_processes=processes)  # fmt: skip
+
+            return loss_within_head(lm_head, compute, hidden, model).loss
+
+        one = tiny_qwen2(tie=False)
+        for _ in range(2):
+            loss_of(one, slice(None), 1).backward()
+        sharded = tiny_qwen2(tie=False)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
+        for _ in range(2):
+            loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
+        theirs = dict(sharded.named_parameters())
+        errors = {name: float((theirs[name].grad.full_tensor() - p.grad).abs().max() / p.grad.abs().max())
+                  for name, p in one.named_parameters()}  # fmt: skip
+        if rank == 0:
+            torch.save(errors, result)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_lm_head_in_the_root_unit_two_ranks_match_one_process(tmp_path, reshard):
+    """Without the loss run inside a call of the root unit, the resharded root's final norm is read freed in the
+    backward (a segmentation fault here, an illegal memory access on a GPU)."""
+    spawn(root_unit_worker, 2, reshard, tmp_path / "errors.pt")
+    errors = torch.load(tmp_path / "errors.pt")
+    assert {"lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"} <= errors.keys()
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def head_swap_worker(rank, world, reshard, result):
+    """The head swap (`compiled_fused_head` under TRL's fused forward, as its SFT trainer runs it) on a tiny Qwen2 with
+    each decoder layer an FSDP2 unit and the lm_head in the root unit, two micro-batches accumulated, against one
+    process on the whole batch."""
+    from test_skip_zero_advantage import tiny_qwen2
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trl.trainer.utils import add_fused_lm_head
+
+    from compiled_grpo.integrations.trl import compiled_fused_head
+
+    init(rank, world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 23, (world * B, 9), generator=g)
+        labels = ids.clone()
+        labels[:, :3] = -100  # the prompt
+        tokens = (labels[:, 1:] != -100).sum()
+
+        def loss_of(model, rows, processes):
+            with compiled_fused_head(compiled=False):
+                return model(input_ids=ids[rows], labels=labels[rows], fused_lm_head=True,
+                             num_items_in_batch=tokens / processes).loss  # fmt: skip
+
+        one = tiny_qwen2(tie=False)
+        add_fused_lm_head(one)
+        for _ in range(2):
+            loss_of(one, slice(None), 1).backward()
+        sharded = tiny_qwen2(tie=False)
+        add_fused_lm_head(sharded)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
+        for _ in range(2):
+            loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
+        theirs = dict(sharded.named_parameters())
+        errors = {name: float((theirs[name].grad.full_tensor() - p.grad).abs().max() / p.grad.abs().max())
+                  for name, p in one.named_parameters()}  # fmt: skip
+        if rank == 0:
+            torch.save(errors, result)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_head_swap_in_the_root_unit_reduces_the_lm_head_gradient(tmp_path, reshard):
+    spawn(head_swap_worker, 2, reshard, tmp_path / "errors.pt")
+    errors = torch.load(tmp_path / "errors.pt")
+    assert max(errors.values()) <= 1e-5, errors

@@ -130,7 +130,7 @@ def packed_row_loss(trainer, model, inputs: dict) -> torch.Tensor:
         gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
         steps_per_generation=1,
     )
-    out = sharded_head.loss_within_head(lm_head, compute, hidden)
+    out = sharded_head.loss_within_head(lm_head, compute, hidden, model)
     trainer._last_forward_time_s = time.time() - forward_start
     loss = out.loss
     if trainer.aux_loss_enabled:

@@ -156,7 +156,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         def compute(weight, bias, hidden):
             return loss_on_head(self, hidden, (weight, bias), (completion_ids, mask, advantages), call)
 
-        return sharded_head.loss_within_head(lm_head, compute, hidden)
+        return sharded_head.loss_within_head(lm_head, compute, hidden, self.model)
 
 
 def widened_hidden_dtype(trainer) -> torch.dtype | None:
