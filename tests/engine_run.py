@@ -2,7 +2,8 @@
 gloo, or GPU) and FSDP2 (GPU). Writes OUT/<name>.json on rank 0.
 
 `python engine_run.py OUT trainers`: GRPOTrainer and CompiledGRPOTrainer in every mode, each trained 3 optimizer
-steps (gradient accumulation 2) from the same tiny random Llama in float32, with some groups at advantage 0 (on
+steps (gradient accumulation 2, gradient checkpointing on as GRPOConfig's default) from the same tiny random Llama
+in float32, with some groups at advantage 0 (on
 2 ranks: one rank's micro-batches wholly, in turn, and completions of other lengths per rank); each step's loss,
 gradient norm and entropy. `python engine_run.py OUT heads`: on a model the engine prepared, the gradients of
 every parameter from `compiled_fused_head` under TRL's fused forward (the SFT/primitive head swap) and from
@@ -34,12 +35,14 @@ RUNS = {
     "skip-backward": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}, {}, False),
     "skip-all": (CompiledGRPOTrainer, {"skip_zero_advantage": "all"}, {}, False),
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}, {}, False),
+    # packed forwards on another attention than the model's (dispatched per call), under gradient checkpointing
+    "packed": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "eager"}, {}, False),
     "grpo-fp32-head": (GRPOTrainer, {}, {"cast_lm_head_to_fp32": True}, False),
     "fp32-head": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}, {"cast_lm_head_to_fp32": True}, False),
     "grpo-tied": (GRPOTrainer, {}, {}, True),
     "tied": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward", "schedule": "memory"}, {}, True),
 }
-REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo",
+REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo", "packed": "grpo",
              "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
 
 
@@ -54,7 +57,8 @@ def train(name: str, out: Path) -> None:
                       max_completion_length=8, max_steps=3, learning_rate=5e-2, logging_steps=1, report_to=[],
                       use_cpu=not on_gpu(), save_strategy="no", bf16=False, seed=0, gradient_accumulation_steps=2,
                       optim="sgd", **settings)  # fmt: skip
-    data = Dataset.from_dict({"prompt": ["a b c", "d e f", "1 2 a", "g h i"] * 8})
+    # prompts of several lengths: left padding in every micro-batch, which the packed run removes
+    data = Dataset.from_dict({"prompt": ["a b", "d e f g h i", "1 2 a", "g"] * 8})
     # compiled on a GPU (captured calls where the trainer captures), eager on a CPU (compile time)
     extra = {"compiled": on_gpu(), **options} if cls is CompiledGRPOTrainer else {}
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # one rank at 0 in turn, the other half
@@ -64,8 +68,10 @@ def train(name: str, out: Path) -> None:
     trainer.train()
     if trainer.accelerator.is_main_process:
         steps = [{k: h.get(k) for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
+        packed = [h["padding_free/packed_fraction"] for h in trainer.state.log_history if "padding_free/packed_"
+                  "fraction" in h]  # fmt: skip
         write(out, name, {"ranks": trainer.accelerator.num_processes, "engine": engine(trainer.accelerator),
-                          "steps": steps})  # fmt: skip
+                          "steps": steps, "packed": sum(packed) / max(len(packed), 1)})  # fmt: skip
 
 
 def engine(accelerator) -> str:

@@ -14,8 +14,9 @@ of its own, over 2 processes, gives the gradients of one process on the whole ba
 model's forward (a DTensor gathered outside the unit's hooks) does not.
 
 With CUDA (`python -m pytest tests/test_engines.py` on a GPU machine), the same trainers run compiled on the GPU
-under ZeRO-2, ZeRO-3 and FSDP2 (reshard after forward on and off, the lm_head in the root unit and in one of its
-own), one process each, TF32 off.
+under ZeRO-2, ZeRO-3 and FSDP2 (reshard after forward on and off; the lm_head in a unit of its own, in the root unit
+beside the decoder layers' units as accelerate's TRANSFORMER_BASED_WRAP puts it, and in the only unit), one process
+each, TF32 off, with gradient checkpointing as `train()` turns it on and a packed run among the trainers.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from compiled_grpo.integrations.trl.sharded_head import within_head
 HERE = Path(__file__).parent
 LOGGED = ("loss", "grad_norm", "entropy")
 # each CompiledGRPOTrainer run and the GRPOTrainer run it is held to (tests/engine_run.py)
-REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo",
+REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo", "packed": "grpo",
              "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
 
 ZERO = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -63,11 +64,15 @@ use_cpu: {str(not gpu).lower()}
     return config
 
 
-def fsdp2_config(tmp_path: Path, reshard: bool, own_unit: bool) -> Path:
-    """FSDP2, one GPU: the lm_head in the root unit (no wrap below it) or in a unit of its own (every Linear
-    wrapped, the lm_head among them)."""
-    wrap = "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: Linear\n" if (
-        own_unit) else "  fsdp_auto_wrap_policy: NO_WRAP\n"  # fmt: skip
+def fsdp2_config(tmp_path: Path, reshard: bool, wrap: str) -> Path:
+    """FSDP2, one GPU, the lm_head in: a unit of its own ("own-unit": every Linear wrapped, the lm_head among them),
+    the root unit with each decoder layer a unit of its own ("layers": accelerate's usual TRANSFORMER_BASED_WRAP, the
+    classes from the model's `_no_split_modules`), or the root unit, the only one ("root": NO_WRAP)."""
+    wrap = {
+        "own-unit": "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: Linear\n",
+        "layers": "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n",
+        "root": "  fsdp_auto_wrap_policy: NO_WRAP\n",
+    }[wrap]
     config = tmp_path / "accelerate.yaml"
     config.write_text(f"""compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
@@ -102,6 +107,7 @@ def check_trainers(out: Path, engine: str, world: int) -> None:
         ours, theirs = runs[name]["steps"], runs[reference]["steps"]
         assert len(ours) == len(theirs) == 3, name
         assert any(s["grad_norm"] > 0 for s in theirs), "no step with a gradient: nothing compared"
+        assert name != "packed" or runs[name]["packed"] > 0, "the packed run did not pack"
         logged = LOGGED[:2] if name == "skip-all" else LOGGED
         for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             for key in logged:
@@ -135,12 +141,10 @@ def test_deepspeed_zero_on_cpu(tmp_path, stage, world):
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU engine runs need CUDA (run on a GPU)")
-ROOT_UNIT_FAILS = pytest.mark.xfail(reason="known: with the lm_head in FSDP2's root unit, CompiledGRPOTrainer's "
-                                     "backward hits an illegal memory access on the GPU (docs/scaling.md)")  # fmt: skip
-GPU_OPTIONS = {"zero2": ("zero", 2), "zero3": ("zero", 3), "fsdp2-own-unit-reshard": ("fsdp", True, True),
-               "fsdp2-own-unit-keep": ("fsdp", False, True), "fsdp2-root-reshard": ("fsdp", True, False),
-               "fsdp2-root-keep": ("fsdp", False, False)}  # fmt: skip
-GPU_CASES = [pytest.param(name, marks=ROOT_UNIT_FAILS) if "root" in name else name for name in GPU_OPTIONS]
+GPU_OPTIONS = {"zero2": ("zero", 2), "zero3": ("zero", 3)}
+GPU_OPTIONS.update({f"fsdp2-{wrap}-{'reshard' if reshard else 'keep'}": ("fsdp", reshard, wrap)
+                    for wrap in ("own-unit", "layers", "root") for reshard in (True, False)})  # fmt: skip
+GPU_CASES = list(GPU_OPTIONS)
 
 
 @needs_cuda
