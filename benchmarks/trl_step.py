@@ -520,8 +520,15 @@ def sweep(args) -> None:
             # every micro-batch twice before timing (a captured call's first two calls of a layout warm and capture)
             warmups = 2 if args.generation else 2 * (len(VARIED_LONGEST) if kind == "varied" else 1)
             for method, measured in timed(steps, args.repeats, on_gpu, reset, warmups).items():
-                row = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": method,
-                       "real_tokens": setup["real_tokens"], "gradient_checkpointing": args.gradient_checkpointing}
+                row = {
+                    "shape": shape,
+                    "model": args.model,
+                    "batch": kind,
+                    "size": size,
+                    "method": method,
+                    "real_tokens": setup["real_tokens"],
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                }
                 if args.generation:
                     row["micro_batches"] = args.generation
                 captures = getattr(getattr(trainers.get(method), "fused_loss", None), "captures", None)

@@ -1,6 +1,8 @@
 """On a GPU (skipped elsewhere): CompiledGRPOTrainer's packed step under SDPA and FlexAttention, bf16 autocast, equals
-GRPOTrainer's padded step to bf16 rounding (loss, gradient norm, entropy), and its packed rows equal each row
-forwarded alone."""
+GRPOTrainer's padded step to bf16 rounding (loss, gradient norm, entropy), with gradient checkpointing off and on
+(reentrant and not: the checkpointed layers recompute under the attention their forward ran), on a model of the
+packed attention and of another one (dispatched per call); its packed rows equal each row forwarded alone; and
+`trainer.train()` runs 3 optimizer steps with every default at the 0.5B and 7B shapes, checkpointing on."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from test_padding_free import COMPLETIONS, PROMPTS, B, C, varied_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packing, padding_free, plan
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packed_attention, packing, padding_free, plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -25,12 +27,12 @@ def model_on_gpu(attention: str):
     return Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
 
 
-def gpu_trainer(tmp_path, attention: str) -> CompiledGRPOTrainer:
+def gpu_trainer(tmp_path, attention: str, model_attention: str = "sdpa") -> CompiledGRPOTrainer:
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
                       max_completion_length=C, bf16=True, report_to=[], save_strategy="no",
                       loss_type="dapo")  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a b c"] * B})
-    trainer = CompiledGRPOTrainer(model=model_on_gpu("sdpa"), reward_funcs=digit_reward, args=args,
+    trainer = CompiledGRPOTrainer(model=model_on_gpu(model_attention), reward_funcs=digit_reward, args=args,
                                   train_dataset=data, processing_class=tokenizer(), packed_attention=attention,
                                   skip_zero_advantage=False, padding_free="pack")  # fmt: skip
     trainer.model.train()
@@ -38,17 +40,28 @@ def gpu_trainer(tmp_path, attention: str) -> CompiledGRPOTrainer:
     return trainer
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
-def test_packed_step_equals_trl_on_the_gpu(tmp_path, attention):
-    trainer = gpu_trainer(tmp_path, attention)
+CHECKPOINTING = {"off": None, "non-reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True}}
+PAIRS = [("sdpa", "sdpa"), ("flex_attention", "sdpa"), ("sdpa", "eager"), ("flex_attention", "eager")]
+
+
+@pytest.mark.parametrize("checkpointing", list(CHECKPOINTING))
+@pytest.mark.parametrize("attention, model_attention", PAIRS, ids=[f"{a}-on-{m}" for a, m in PAIRS])
+def test_packed_step_equals_trl_on_the_gpu(tmp_path, attention, model_attention, checkpointing):
+    trainer = gpu_trainer(tmp_path, attention, model_attention)
+    if CHECKPOINTING[checkpointing] is not None:  # as train() turns it on
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING[checkpointing])
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
     with trainer.accelerator.autocast():
         theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
         ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
-    assert trainer.packing_refused == "" and trainer.packed_attention == attention
+    assert trainer.packing_refused == ""
+    assert trainer.packed_attention == (None if attention == model_attention else attention)
     torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=1e-3)
     norm = lambda grads: torch.stack([g.float().norm() for g in grads.values()]).norm()  # noqa: E731
     assert float(norm(ours[1])) == pytest.approx(float(norm(theirs[1])), rel=3e-2)
+    for name, g in theirs[1].items():  # each parameter's gradient, not only their norm
+        err = float((ours[1][name].float() - g.float()).norm() / g.float().norm().clamp(min=1e-12))
+        assert err <= 5e-2, f"{name}: relative error {err:.2e}"
     assert ours[2]["entropy"] == pytest.approx(theirs[2]["entropy"], rel=2e-2)
 
 
@@ -58,11 +71,60 @@ def test_packed_rows_equal_rows_alone_on_the_gpu(attention):
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     lengths = plan.read(None, [inputs], with_zeros=False)[0].lengths
-    forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), {})
-    with torch.no_grad(), padding_free.attention_as(model, attention):
+    if attention != "sdpa":
+        packed_attention.install(model)
+    forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), None if attention == "sdpa" else
+                                              attention)  # fmt: skip
+    with torch.no_grad():
         packed = packing.pack(ids, lengths, torch.arange(B), 128)
         both, _ = forward(packed)
         for row in range(B):
             alone, _ = forward(packing.pack(ids, lengths, torch.tensor([row]), 1))
             start, span = int(packed.starts[row]), PROMPTS[row] + COMPLETIONS[row]
             torch.testing.assert_close(both[start : start + span].float(), alone.float(), rtol=3e-2, atol=3e-2)
+
+
+QWEN_SHAPES = {  # Qwen2.5's shapes, random bf16 weights, its vocabulary's size
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+}  # fmt: skip
+QWEN_VOCAB = 151936
+
+
+def word_tokenizer(size: int):
+    """A word-level tokenizer of `size` ids ("<pad>", "<eos>", "<unk>", then "w3", "w4"...): any sampled id decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("shape", list(QWEN_SHAPES))
+def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
+    """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing,
+    padding_free and packed_attention "auto": the 7B shape packs on FlexAttention), prompts of 4 and 60 tokens in
+    each micro-batch (left padding that packing removes)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN_SHAPES[shape], vocab_size=QWEN_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    words = lambda n, at: " ".join(f"w{at + i}" for i in range(n))  # noqa: E731
+    data = Dataset.from_dict({"prompt": [words(4, 10), words(60, 100)] * 8})
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=32, gradient_accumulation_steps=2, max_steps=3, bf16=True,
+                      logging_steps=1, report_to=[], save_strategy="no")  # fmt: skip
+    trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
+                                  completions], args=args, train_dataset=data, processing_class=word_tokenizer(
+                                  QWEN_VOCAB))  # fmt: skip
+    trainer.train()
+    assert trainer.model.is_gradient_checkpointing
+    logged = [e for e in trainer.state.log_history if "loss" in e and "padding_free/packed_fraction" in e]
+    assert len(logged) == 3 and all(torch.isfinite(torch.tensor(e["loss"])) for e in logged)
+    assert all(e["grad_norm"] > 0 for e in logged)
+    packed = sum(e["padding_free/packed_fraction"] for e in logged) / 3
+    assert packed == (1.0 if shape == "7B" else 0.0), packed  # "auto" packs from hidden size 2048

@@ -26,7 +26,8 @@ PROMPTS = ["a", "b c d e f g h i", "1", "2 3 4 5 6 7 8 9"]
 
 def prompt_reward(prompts, completions, **kwargs):
     """0 for every completion of a prompt of one token (groups at advantage 0), else the count of its digits."""
-    return [0.0 if len(p.split()) == 1 else float(sum(ch.isdigit() for ch in c)) for p, c in zip(prompts, completions)]
+    pairs = zip(prompts, completions, strict=True)
+    return [0.0 if len(p.split()) == 1 else float(sum(ch.isdigit() for ch in c)) for p, c in pairs]
 
 
 class GradientsPerStep(TrainerCallback):

@@ -5,8 +5,10 @@
 is "pack" on a GPU from hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
 Packed forwards run under the attention implementation `attention_for` picks; where it is not the model's own, the
 model dispatches each call by its own arguments (`packed_attention`), so that a layer recomputed by gradient
-checkpointing attends as its forward did, and every other forward (generation, padded ones) keeps the model's own. Not packed, trimmed instead (said once): multimodal inputs (not
-trimmed either), a MoE auxiliary loss (its balance counts every position of the row), rows whose masks have holes.
+checkpointing attends as its forward did, and every other forward (generation, padded ones) keeps the model's own.
+Not packed, trimmed instead (said once): multimodal inputs (not trimmed either), a MoE auxiliary loss (its balance
+counts every position of the row), rows whose masks have holes. The trainer says its choice once at construction
+and logs `padding_free/packed_fraction` and `padding_free/real_tokens` with its metrics.
 """
 
 from __future__ import annotations
@@ -81,10 +83,11 @@ def chosen(trainer, mode, attention, model) -> str:
         return f"micro-batches are trimmed to their longest prompt and completion, not packed ({why})"
     own = packed_attention.own_implementation(model)
     runs = trainer.packed_attention or own
-    how = "the model's own" if trainer.packed_attention is None else f"dispatched by each call, the model's own {own!r} "
-    how += "" if trainer.packed_attention is None else "for every other call"
-    return (f"micro-batches are packed where it pays ({why}), their attention {runs!r} (packed_attention="
-            f"{attention!r}: {how})")
+    how = "the model's own" if trainer.packed_attention is None else f"every other call keeps the model's own {own!r}"
+    return (
+        f"micro-batches are packed where it pays ({why}), their attention {runs!r} (packed_attention="
+        f"{attention!r}: {how})"
+    )
 
 
 def transformers_model(model):
