@@ -13,6 +13,7 @@ weight matches a plain one.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -41,6 +42,12 @@ def _entry(rank, world, rendezvous, worker, args):
     os.environ["GRPO_TEST_RENDEZVOUS"] = rendezvous
     torch.set_num_threads(1)
     worker(rank, world, *args)
+    # A rank that finished ends here, not in the interpreter's teardown: a gloo worker thread can still be releasing a
+    # finished collective's tensors then, and taking the GIL from it while the interpreter finalizes aborts the
+    # process (torch's, pytorch/pytorch#190489; docs/scaling.md). A rank that raised goes on to spawn's error report.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def backend() -> str:
@@ -456,7 +463,10 @@ def dtensor_worker(rank, world, seed):
         assert w.grad.placements == w.placements, "gradient in the DTensor's layout"
         rows = w.grad.to_local().shape[0]
         start = rank * ((V + world - 1) // world)  # torch.chunk-style Shard(0) rows
-        close(w.grad.to_local(), plain_dw[start : start + rows], "DTensor weight gradient shard")
+        # each rank's gradient is its own batch's: the shard holds their mean, as FSDP2 reduces its own gradients
+        mean_dw = plain_dw.clone()
+        dist.all_reduce(mean_dw)
+        close(w.grad.to_local(), mean_dw[start : start + rows] / world, "DTensor weight gradient shard, ranks' mean")
     finally:
         dist.destroy_process_group()
 
@@ -479,6 +489,6 @@ if __name__ == "__main__":  # the same comparisons over NCCL, one GPU per rank
     spawn(vocab_parallel_schedules_worker, 2, 17)
     print(f"vocabulary parallel, speed and sparse schedules, 2 ranks ({backend()}): match the unsharded lm_head")
     spawn(dtensor_worker, 2, 5)
-    print(f"DTensor (FSDP2) weight, 2 ranks ({backend()}): matches a plain weight, gradient in its layout")
+    print(f"DTensor (FSDP2) weight, 2 ranks ({backend()}): matches a plain weight, gradient: the ranks' mean")
     spawn(sequence_parallel_worker, 2, 19, 1)
     print(f"sequence parallel, 2 ranks ({backend()}): every loss type and IS level matches the unsplit batch")
