@@ -238,14 +238,28 @@ def test_fsdp2_weight_read_after_the_forward_gets_the_whole_batchs_gradient(tmp_
     assert torch.load(tmp_path / "error.pt") <= 1e-5
 
 
-def root_unit_worker(rank, world, reshard, result):
-    """A tiny Qwen2 wrapped as accelerate's TRANSFORMER_BASED_WRAP wraps it (each decoder layer a unit, the lm_head in
-    the root's with the embeddings and the final norm): CompiledGRPOTrainer's forward and fused loss
+def shard_as(model, wrap: str, mesh, reshard: bool) -> None:
+    """FSDP2 units on `model`: each decoder layer, then "root": the rest in the root unit (the lm_head, the final
+    norm, the embeddings); "accelerate": as accelerate's TRANSFORMER_BASED_WRAP (1.15) does, the embeddings a unit,
+    the final norm and the lm_head one together that does not reshard after the forward, the root the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    if wrap == "accelerate":
+        fully_shard(model.model.embed_tokens, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
+    else:
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+def root_unit_worker(rank, world, reshard, wrap, result):
+    """A tiny Qwen2 wrapped as `shard_as` says: CompiledGRPOTrainer's forward and fused loss
     (`completion_hidden_states`, `loss_within_head` given the model), two micro-batches accumulated, against one
     process on the whole batch."""
     from test_skip_zero_advantage import tiny_qwen2
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from compiled_grpo.integrations.trl.hidden_states import completion_hidden_states
     from compiled_grpo.integrations.trl.sharded_head import loss_within_head
@@ -273,10 +287,7 @@ def root_unit_worker(rank, world, reshard, result):
         for _ in range(2):
             loss_of(one, slice(None), 1).backward()
         sharded = tiny_qwen2(tie=False)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in sharded.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
+        shard_as(sharded, wrap, init_device_mesh("cpu", (world,)), reshard)
         for _ in range(2):
             loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
         theirs = dict(sharded.named_parameters())
@@ -288,11 +299,14 @@ def root_unit_worker(rank, world, reshard, result):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.parametrize("wrap", ["root", "accelerate"])
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_fsdp2_lm_head_in_the_root_unit_two_ranks_match_one_process(tmp_path, reshard):
-    """Without the loss run inside a call of the root unit, the resharded root's final norm is read freed in the
-    backward (a segmentation fault here, an illegal memory access on a GPU)."""
-    spawn(root_unit_worker, 2, reshard, tmp_path / "errors.pt")
+def test_fsdp2_lm_head_in_a_shared_unit_two_ranks_match_one_process(tmp_path, reshard, wrap):
+    """The loss run as a call of the unit that gathers the lm_head, without arguments: read after the model's call
+    instead, the resharded root's final norm was read freed in the backward (a segmentation fault here, an illegal
+    memory access on a GPU); run as a call of the lm_head given the hidden states, its unit was resharded once their
+    gradient was made, and the final norm in it read freed alike."""
+    spawn(root_unit_worker, 2, reshard, wrap, tmp_path / "errors.pt")
     errors = torch.load(tmp_path / "errors.pt")
     assert {"lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"} <= errors.keys()
     assert max(errors.values()) <= 1e-5, errors
