@@ -189,7 +189,11 @@ def heads(out: Path) -> None:
         expected[name] = full_gradients(plain)
     accelerator = Accelerator()  # the launch's configuration (its engine, and the CPU where it says so)
     report = {"engine": engine(accelerator), "ranks": torch.distributed.get_world_size()}
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    layer_classes = getattr(fsdp, "transformer_cls_names_to_wrap", None)
     for name, (loss_of, _) in HEADS.items():
+        if fsdp is not None:  # the launch's classes, not the last model's that accelerate kept (Llama's, not Qwen2's)
+            fsdp.transformer_cls_names_to_wrap = layer_classes
         model = prepared(accelerator, head_model(name, device))
         loss = loss_of(model, copy.deepcopy(batches[name]))
         if hasattr(model, "backward"):  # DeepSpeed's engine: its backward unscaled by accumulation, no step

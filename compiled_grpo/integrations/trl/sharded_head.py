@@ -71,9 +71,11 @@ def within_unit(unit: torch.nn.Module, compute):
     returns, and reduce-scattered once the whole backward is done."""
     had_own = "forward" in unit.__dict__
     own = unit.__dict__.get("forward")
-    unit.forward = lambda: compute()
+    unit.forward = lambda **_: compute()
     try:
-        return unit()
+        # one keyword that is no tensor: FSDP2's root hook (torch 2.11) indexes the call's arguments, so a call with
+        # none at all fails there
+        return unit(within_unit=True)
     finally:
         if had_own:
             unit.forward = own
