@@ -110,6 +110,17 @@ def speedup_cell(mine: dict, name: str, base: str) -> str:
     return text
 
 
+def checkpointing(rows: list[dict]) -> str:
+    """Whether the rows' steps ran with gradient checkpointing, which `trainer.train()` turns on by GRPOConfig's
+    default (rows from before the benchmark recorded it ran without)."""
+    on = {bool(r.get("gradient_checkpointing")) for r in rows}
+    if on == {True}:
+        return "gradient checkpointing on, as `trainer.train()` runs"
+    if on == {False}:
+        return "**gradient checkpointing off** (`trainer.train()` turns it on: these runs predate that measurement)"
+    return "gradient checkpointing on except in the rows marked `no checkpointing`"
+
+
 def step_table(root: Path) -> list[str]:
     folder = root / "docs/benchmarks/trl-step"
     paths = [folder / f"trl-step-{m}{step}.json" for m in STEP_MODELS for step in ("", "-step2")]
@@ -117,8 +128,8 @@ def step_table(root: Path) -> list[str]:
     rows = [r for run in runs for r in run["rows"]]
     present = [t for t in STEP_TRAINERS if any(r["method"] == t for r in rows)]
     caption = (
-        f"**TRL's GRPO step** (`_compute_loss` + backward, the model included; ms (peak GiB), speed-up over "
-        f"GRPOTrainer; {about(*runs)}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
+        f"**TRL's GRPO step** (`_compute_loss` + backward, the model included; {checkpointing(rows)}; ms (peak GiB), "
+        f"speed-up over GRPOTrainer; {about(*runs)}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
     )
     lines = [caption, "", "| model, batch | " + " | ".join(STEP_TRAINERS[t] for t in present) + " |",
              "|---|" + "---|" * len(present)]  # fmt: skip
@@ -144,7 +155,7 @@ def padding_free_table(root: Path) -> list[str]:
         "their losses and backwards, AdamW; `tail`: long-tailed completion lengths with one truncated at the "
         "maximum, so GRPOTrainer pads every micro-batch to it; `tail-half0`: half the groups at advantage 0 too; "
         '`dense`: every completion at the maximum. `padding_free="auto"` packs with FlexAttention at 7B and trims '
-        f"at 0.5B and 1.5B; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; "
+        f"at 0.5B and 1.5B; {checkpointing(rows)}; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; "
         "[the runs](docs/benchmarks/trl-step/padding-free/README.md)):"
     )
     lines = [caption, "", "| model, batch | " + " | ".join(PADDING_FREE_TRAINERS.values()) + " |",

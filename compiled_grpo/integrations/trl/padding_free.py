@@ -21,7 +21,8 @@ from .packing import PackedRows, can_pack, pack, targets
 from .plan import Lengths
 
 MODES = ("auto", "pack", "trim", False)
-# Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed completion lengths, docs/performance.md): packing
+# Measured on an H200 in the trainer without gradient checkpointing (Qwen2.5 shapes, long-tailed completion lengths,
+# docs/performance.md; to be re-measured as train() runs, checkpointed): packing
 # made the 7B optimizer step 2.01x GRPOTrainer's (trimming 1.23x); at 1.5B it gained no more than trimming (1.12-1.18x
 # against 1.12x) and lost where the row plan splits a micro-batch in two forwards (0.90-0.95x against 1.03-1.04x); at
 # 0.5B, where the step is bound by the host, it lost (0.75-0.84x; trimmed 0.78x and padded 1.03x, in runs whose
