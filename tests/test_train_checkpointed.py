@@ -40,7 +40,13 @@ class GradientsPerStep(TrainerCallback):
         self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def train(tmp_path, cls, attention: str, reentrant: bool, **options):
+def lora():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def train(tmp_path, cls, attention: str, reentrant: bool, adapter: bool = False, **options):
     """(each step's logged loss, each step's gradients, the trainer) of `STEPS` optimizer steps of `train()` on a tiny
     float32 Qwen2 created with `attention`, checkpointing as GRPOConfig turns it on."""
     model = tiny_qwen2(tie=False)
@@ -53,6 +59,8 @@ def train(tmp_path, cls, attention: str, reentrant: bool, **options):
     )  # fmt: skip
     data = Dataset.from_dict({"prompt": PROMPTS * 8})
     extra = {"compiled": False, **options} if cls is CompiledGRPOTrainer else {}
+    if adapter:  # a LoRA adapter: TRL wraps the model (PEFT) and checkpoints it as it does
+        extra["peft_config"] = lora()
     trainer = cls(model=model, reward_funcs=prompt_reward, args=args, train_dataset=data,
                   processing_class=tokenizer(), **extra)  # fmt: skip
     grads = GradientsPerStep()
@@ -64,8 +72,9 @@ def train(tmp_path, cls, attention: str, reentrant: bool, **options):
 
 
 @functools.cache
-def grpo_trainer_run(attention: str, reentrant: bool, tmp_root: str):
-    losses, grads, _ = train(f"{tmp_root}/trl-{attention}-{reentrant}", GRPOTrainer, attention, reentrant)
+def grpo_trainer_run(attention: str, reentrant: bool, tmp_root: str, adapter: bool = False):
+    folder = f"{tmp_root}/trl-{attention}-{reentrant}-{adapter}"
+    losses, grads, _ = train(folder, GRPOTrainer, attention, reentrant, adapter)
     return losses, grads
 
 
@@ -87,6 +96,19 @@ def packed_share(trainer) -> float:
     return sum(shares) / max(len(shares), 1)
 
 
+@pytest.fixture
+def dispatched(monkeypatch):
+    """The attention implementations the dispatching attention ran, call by call."""
+    names, lookup = [], packed_attention.attention_function
+
+    def recording(name, module):
+        names.append(name)
+        return lookup(name, module)
+
+    monkeypatch.setattr(packed_attention, "attention_function", recording)
+    return names
+
+
 @pytest.fixture(scope="module")
 def tmp_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("train"))
@@ -98,13 +120,19 @@ MODES = [("pack", "auto"), ("pack", "sdpa"), ("pack", "eager"), ("trim", "auto")
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("model_attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}-{m[1]}")
-def test_train_with_checkpointing_equals_grpo_trainer(tmp_path, tmp_root, mode, model_attention, reentrant):
+def test_train_with_checkpointing_equals_grpo_trainer(tmp_path, tmp_root, dispatched, mode, model_attention,
+                                                      reentrant):  # fmt: skip
     padding, attention = mode
     losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, model_attention, reentrant, padding_free=padding,
                                    packed_attention=attention, skip_zero_advantage=False)  # fmt: skip
     assert_steps_equal((losses, grads), grpo_trainer_run(model_attention, reentrant, tmp_root))
     share = packed_share(trainer)
     assert share == (1.0 if padding == "pack" else 0.0), f"packed share {share}"
+    other = padding == "pack" and attention not in ("auto", model_attention)
+    assert packed_attention.installed(trainer.model) == other
+    # where it is installed, the packed forwards (and their recomputations) ran the packed attention, generation and
+    # the other forwards the model's own
+    assert set(dispatched) == ({attention, model_attention} if other else set())
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -118,6 +146,18 @@ def test_train_packed_and_skipping_equals_grpo_trainer(tmp_path, tmp_root, skip,
     skipped = [e["zero_advantage/skipped_backward"] for e in trainer.state.log_history if "zero_advantage/skipped_"
                "backward" in e]  # fmt: skip
     assert skipped and max(skipped) > 0 and packed_share(trainer) > 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_train_a_lora_adapter_packed_equals_grpo_trainer(tmp_path, tmp_root, reentrant):
+    """A PEFT model (LoRA on q and v): the dispatching attention is installed on the model under the adapter, and
+    the adapter's gradients are GRPOTrainer's at every step."""
+    pytest.importorskip("peft", reason="peft is in the test extras")
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", reentrant, True, padding_free="pack",
+                                   packed_attention="sdpa", skip_zero_advantage=False)  # fmt: skip
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", reentrant, tmp_root, True))
+    assert packed_attention.installed(padding_free.transformers_model(trainer.model))
+    assert packed_share(trainer) == 1.0 and any("lora_" in name for name in grads[0])
 
 
 def switched_forward(model, lm_head, attention):
