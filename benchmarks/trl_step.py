@@ -143,6 +143,8 @@ TRAINERS = {  # name: (trainer, its options)
     # alone, and TRL's padded forward
     "packed-sdpa": (CompiledGRPOTrainer, {"packed_attention": "sdpa"}),
     "packed-flex": (CompiledGRPOTrainer, {"packed_attention": "flex_attention"}),
+    # torch's varlen FlashAttention (CUDA, 16-bit): no mask, the sequences' boundaries from the plan
+    "packed-varlen": (CompiledGRPOTrainer, {"packed_attention": "varlen"}),
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
     "padded": (CompiledGRPOTrainer, {"padding_free": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
@@ -151,6 +153,12 @@ TRAINERS = {  # name: (trainer, its options)
     # the fp32 head (`cast_lm_head_to_fp32=True`: TRL makes lm_head a float32 module, in place on the model, so
     # these run in a process of their own)
     "grpo-fp32": (GRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
+    # the peers a user would pick: GRPOTrainer with Liger's kernels (its RMSNorm, SwiGLU and RoPE patched into the
+    # model, and its GRPO loss; GPU only: Triton), and GRPOTrainer on decoder layers compiled by region (each layer
+    # `torch.compile`d, dynamic lengths, as a user can do by hand), and this library's default on them
+    "grpo-liger": (GRPOTrainer, {"config": {"use_liger_kernel": True}}),
+    "grpo-compiled-layers": (GRPOTrainer, {"compiled_layers": True}),
+    "auto-compiled-layers": (CompiledGRPOTrainer, {"compiled_layers": True}),
     "auto-fp32": (CompiledGRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
@@ -180,6 +188,10 @@ LABELS = {
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
+    "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",
+    "grpo-liger": "GRPOTrainer, use_liger_kernel=True",
+    "grpo-compiled-layers": "GRPOTrainer, decoder layers compiled",
+    "auto-compiled-layers": "CompiledGRPOTrainer, decoder layers compiled",
     "trim": "CompiledGRPOTrainer, padding_free='trim'",
     "padded": "CompiledGRPOTrainer, padding_free=False (TRL's padded forward)",
     "rounded": "CompiledGRPOTrainer auto, round_logits=True",
@@ -202,6 +214,7 @@ def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion
     cls, options = TRAINERS[name]
     options = dict(options or {})
     config = options.pop("config", {})
+    options.pop("compiled_layers", None)  # applied around the row's steps (`with_compiled_layers`)
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
@@ -382,6 +395,29 @@ def peak_of(step, on_gpu: bool, reset) -> float | None:
     return peak
 
 
+def with_compiled_layers(model, step):
+    """`step` with the model's decoder layers compiled by region (each layer's call under `torch.compile`, dynamic
+    lengths; compiled once, kept between the row's steps) and eager again after it: the model is shared by every
+    row of the run."""
+    layers = model.model.layers
+    compiled = []
+
+    def run():
+        if not compiled:
+            for layer in layers:
+                layer.compile(dynamic=True)
+                compiled.append(layer._compiled_call_impl)
+        for layer, impl in zip(layers, compiled, strict=True):
+            layer._compiled_call_impl = impl
+        try:
+            step()
+        finally:
+            for layer in layers:
+                layer._compiled_call_impl = None
+
+    return run
+
+
 def trainer_step(t, batches: list):
     """`_compute_loss` + backward on the next of `batches`; then CompiledGRPOTrainer's metrics are read back as a
     log after every step would (GRPOTrainer reads its own back inside `_compute_loss`)."""
@@ -480,6 +516,7 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
             zeros_read = any(t.skip_reason is None for t in compiled)
             plan.annotate(compiled[0], batches, with_zeros=zeros_read)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
+        steps = {n: with_compiled_layers(model, f) if compiles_layers(n) else f for n, f in steps.items()}
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
         return f"{args.model} {kind} x{size}{checkpointing_label(checkpointing)}", steps, trainers
     count, optimizer = args.generation, setup["optimizer"]
@@ -491,7 +528,12 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
                 for name in names}  # fmt: skip
     steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
+    steps = {n: with_compiled_layers(model, f) if compiles_layers(n) else f for n, f in steps.items()}
     return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
+
+
+def compiles_layers(name: str) -> bool:
+    return bool((TRAINERS.get(name, (None, None))[1] or {}).get("compiled_layers"))
 
 
 def checkpointing_label(on: bool) -> str:

@@ -1,8 +1,9 @@
-"""On a GPU (skipped elsewhere): CompiledGRPOTrainer's packed step under SDPA and FlexAttention, bf16 autocast, equals
-GRPOTrainer's padded step to bf16 rounding (loss, gradient norm, entropy), with gradient checkpointing off and on
-(reentrant and not: the checkpointed layers recompute under the attention their forward ran), on a model of the
-packed attention and of another one (dispatched per call); its packed rows equal each row forwarded alone; and
-`trainer.train()` runs 3 optimizer steps with every default at the 0.5B and 7B shapes, checkpointing on."""
+"""On a GPU (skipped elsewhere): CompiledGRPOTrainer's packed step under SDPA, FlexAttention and torch's varlen
+FlashAttention, bf16 autocast, equals GRPOTrainer's padded step to bf16 rounding (loss, every gradient, entropy),
+with gradient checkpointing off and on (reentrant and not: the checkpointed layers recompute under the attention
+their forward ran), on a model of the packed attention and of another one (dispatched per call); its packed rows
+equal each row forwarded alone; and `trainer.train()` runs 3 optimizer steps with every default at the 0.5B and 7B
+shapes, checkpointing on."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def gpu_trainer(tmp_path, attention: str, model_attention: str = "sdpa") -> Comp
 
 
 CHECKPOINTING = {"off": None, "non-reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True}}
-PAIRS = [("sdpa", "sdpa"), ("flex_attention", "sdpa"), ("sdpa", "eager"), ("flex_attention", "eager")]
+PAIRS = [("sdpa", "sdpa"), ("flex_attention", "sdpa"), ("sdpa", "eager"), ("flex_attention", "eager"),
+         ("varlen", "sdpa")]  # fmt: skip
 
 
 @pytest.mark.parametrize("checkpointing", list(CHECKPOINTING))
@@ -65,7 +67,7 @@ def test_packed_step_equals_trl_on_the_gpu(tmp_path, attention, model_attention,
     assert ours[2]["entropy"] == pytest.approx(theirs[2]["entropy"], rel=2e-2)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention", "varlen"])
 def test_packed_rows_equal_rows_alone_on_the_gpu(attention):
     model = model_on_gpu("sdpa").eval()
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}

@@ -198,3 +198,46 @@ def test_a_switch_undone_before_the_backward_turns_the_matrix_red(tmp_path, tmp_
 def test_flex_attention_on_a_cpu_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match="FlexAttention's backward runs on a GPU only"):
         train(tmp_path, CompiledGRPOTrainer, "sdpa", False, padding_free="pack", packed_attention="flex_attention")
+
+
+def varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """A stand-in of `torch.nn.attention.varlen.varlen_attn` (CUDA only) for the plumbing around it: each sequence
+    of `cu_q` causal within itself by SDPA, [tokens, heads, head_dim] in and out."""
+    assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max()) and window_size == (-1, 0)
+    assert cu_q.dtype == torch.int32 and int(cu_q[-1]) == q.shape[0]
+    out = torch.empty_like(q)
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        part = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+        attended = torch.nn.functional.scaled_dot_product_attention(*part, is_causal=True, scale=scale,
+                                                                     enable_gqa=enable_gqa)  # fmt: skip
+        out[start:end] = attended.transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def varlen_stand_in(monkeypatch):
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_on_the_cpu)
+    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_train_on_varlen_attention_equals_grpo_trainer(tmp_path, tmp_root, dispatched, varlen_stand_in, reentrant):
+    """`packed_attention="varlen"`: no mask, the sequences' boundaries from the plan among the forward's keyword
+    arguments (replayed by checkpointing), the [1, heads, N, head_dim] layout turned into varlen's and back; with a
+    stand-in kernel (the real one runs on a GPU only: tests/test_cuda_padding_free.py)."""
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", reentrant, padding_free="pack",
+                                   packed_attention="varlen", skip_zero_advantage=False)  # fmt: skip
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", reentrant, tmp_root))
+    assert packed_share(trainer) == 1.0 and set(dispatched) == {"varlen", "eager"}
+
+
+def test_varlen_attention_on_a_cpu_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="varlen FlashAttention runs on CUDA GPUs"):
+        train(tmp_path, CompiledGRPOTrainer, "sdpa", False, padding_free="pack", packed_attention="varlen")
+
+
+def test_an_unknown_packed_attention_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="packed_attention: 'flash' is none of"):
+        train(tmp_path, CompiledGRPOTrainer, "sdpa", False, padding_free="pack", packed_attention="flash")

@@ -13,6 +13,12 @@ reentrant checkpointing). Instead, `install` gives the model one implementation 
   other call (generation, padded forwards, the reference model's) runs the model's own function.
 - the mask: transformers builds it once per forward, outside the layers, and passes it to each layer as an argument
   (replayed as it is); while a packed forward runs (`packed_masks`), it is the packed implementation's mask.
+
+Besides transformers' implementations, packed forwards can run `VARLEN`: torch's own FlashAttention kernel for
+sequences of several lengths (`torch.nn.attention.varlen.varlen_attn`, CUDA, 16-bit), causal, GQA by
+`enable_gqa`, a sliding window where the layer has one. No mask at all: the sequences' boundaries
+(`cu_seq_lens_q`, `max_length_q`) come from the micro-batch's plan on the host and travel among the forward's
+keyword arguments like the implementation's name.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import torch
 
 PACKED_KWARG = "compiled_grpo_packed_attention"
+VARLEN = "varlen"
 PREFIX = "compiled_grpo_over_"
 _packed_mask_of = contextvars.ContextVar("compiled_grpo_packed_mask_of", default=None)
 
@@ -67,6 +74,15 @@ def uninstall(model) -> None:
         model.set_attn_implementation(own_implementation(model))
 
 
+def known_implementations() -> tuple[str, ...]:
+    """The names packed forwards can run under: transformers' registered attention implementations (this library's
+    dispatchers aside), "eager" and `VARLEN`."""
+    from transformers import AttentionInterface
+
+    registered = [name for name in AttentionInterface().valid_keys() if not name.startswith(PREFIX)]
+    return ("eager", VARLEN, *registered)
+
+
 def attend(own: str, module, query, key, value, attention_mask, **kwargs):
     """The attention of one layer's call: the packed forward's implementation where the call carries one, else the
     model's own."""
@@ -75,7 +91,10 @@ def attend(own: str, module, query, key, value, attention_mask, **kwargs):
 
 
 def attention_function(name: str, module):
-    """transformers' attention function `name`; "eager" is the model's own module-level eager function."""
+    """transformers' attention function `name`; "eager" is the model's own module-level eager function; `VARLEN`
+    `varlen_attention`."""
+    if name == VARLEN:
+        return varlen_attention
     if name == "eager":
         own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if own is None:
@@ -91,7 +110,25 @@ def mask(own: str, *args, **kwargs):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     name = _packed_mask_of.get() or own
+    if name == VARLEN:  # the boundaries travel as cu_seq_lens_q: no mask
+        return None
     return ALL_MASK_ATTENTION_FUNCTIONS[name](*args, **kwargs)
+
+
+def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q, max_length_q, scaling=None,
+                     sliding_window=None, dropout=0.0, **_):  # fmt: skip
+    """One packed row's attention ([1, heads, N, head_dim] query, key and value, as transformers hands them) by
+    `varlen_attn`: each sequence of `cu_seq_lens_q` causal within itself (and within `sliding_window` positions);
+    ([1, N, heads, head_dim], None) as transformers' attention functions return."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout:
+        raise ValueError("packed_attention='varlen' runs no attention dropout; the model's is on in training")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, head_dim]
+    window = (-1, 0) if not sliding_window else (sliding_window - 1, 0)
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                      window_size=window, enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    return out.unsqueeze(0), None
 
 
 @contextlib.contextmanager
@@ -104,14 +141,39 @@ def packed_masks(name: str | None):
         _packed_mask_of.reset(token)
 
 
-def forward_kwargs(name: str | None) -> dict:
-    """The keyword arguments that make a forward's layers attend with `name` (none for the model's own)."""
-    return {} if name is None else {PACKED_KWARG: name}
+def forward_kwargs(name: str | None, packed) -> dict:
+    """The keyword arguments that make a forward's layers attend with `name` (none for the model's own) over
+    `packed` (`packing.PackedRows`): for `VARLEN`, its sequences' boundaries too, copied to the device without a
+    wait."""
+    if name is None:
+        return {}
+    if name != VARLEN:
+        return {PACKED_KWARG: name}
+    from .packing import to_device
+
+    bounds = to_device(packed.cu_seqlens, packed.input_ids.device)
+    return {PACKED_KWARG: name, "cu_seq_lens_q": bounds, "max_length_q": packed.longest}
 
 
-def runs_on(name: str | None, device: torch.device) -> str | None:
-    """Why packed attention `name` cannot run on `device` with this torch (None: it can)."""
+def runs_on(name: str | None, device: torch.device, sixteen_bit: bool) -> str | None:
+    """Why packed attention `name` cannot run on `device` with this torch (None: it can); `sixteen_bit`: whether
+    the model's attention runs in bf16 or fp16."""
     if name == "flex_attention" and device.type != "cuda":
         return ("FlexAttention's backward runs on a GPU only with this torch: choose packed_attention='sdpa' or "
                 "'eager' on a CPU")  # fmt: skip
+    if name == VARLEN:
+        return varlen_unavailable(device, sixteen_bit)
+    return None
+
+
+def varlen_unavailable(device: torch.device, sixteen_bit: bool) -> str | None:
+    """Why torch's varlen FlashAttention cannot run here (None: it can)."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.9 has)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return "torch's varlen FlashAttention runs on CUDA GPUs of compute capability 8.0 and up only"
+    if not sixteen_bit:
+        return "torch's varlen FlashAttention runs in bf16 or fp16: train with bf16 (or fp16), or a 16-bit model"
     return None

@@ -57,11 +57,14 @@ def can_pack(lengths: Lengths) -> bool:
 
 class PackedRows(NamedTuple):
     """Rows of a micro-batch as one row of the model: its input_ids and position_ids [1, N] (N a multiple of the
-    bucket) and, on the host, where each row's tokens start in it."""
+    bucket) and, on the host, where each row's tokens start in it, and where each sequence of the row starts (the
+    rows' and the bucket's dummy sequence: [sequences + 1], int32, ending at N) and the longest sequence's length."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     starts: torch.Tensor
+    cu_seqlens: torch.Tensor
+    longest: int
 
 
 def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int) -> PackedRows:
@@ -80,7 +83,9 @@ def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int) -
     positions = torch.cat([within, torch.arange(pad)])
     index = to_device(torch.stack([flat, positions]), ids.device)
     packed_ids = ids.reshape(-1).index_select(0, index[0]).unsqueeze(0)
-    return PackedRows(packed_ids, index[1].unsqueeze(0), starts)
+    lengths = torch.cat([span, torch.tensor([pad])]) if pad else span
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(torch.int32)
+    return PackedRows(packed_ids, index[1].unsqueeze(0), starts, cu_seqlens, int(lengths.max()) if len(lengths) else 0)
 
 
 class Targets(NamedTuple):

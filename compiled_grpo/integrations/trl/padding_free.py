@@ -52,6 +52,9 @@ def check_options(mode, attention, bucket) -> None:
         raise TypeError(
             f"packed_attention: expected 'auto', None or an attention implementation's name, got {attention!r}"
         )
+    known = packed_attention.known_implementations()
+    if attention not in (None, "auto", *known):
+        raise ValueError(f"packed_attention: {attention!r} is none of 'auto', None, {', '.join(map(repr, known))}")
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ValueError(f"packed_bucket: expected a positive int (tokens), got {bucket!r}")
 
@@ -66,7 +69,7 @@ def configure(trainer, mode, attention, bucket: int) -> None:
     trainer.packed_bucket = bucket
     trainer.packing_refused = None
     if trainer.padding_free_mode == "pack":
-        why_not = packed_attention.runs_on(trainer.packed_attention, device)
+        why_not = packed_attention.runs_on(trainer.packed_attention, device, sixteen_bit(trainer, model))
         if why_not:
             raise ValueError(f"packed_attention={trainer.packed_attention!r}: {why_not}")
         if trainer.packed_attention is not None:
@@ -89,6 +92,12 @@ def chosen(trainer, mode, attention, model) -> str:
         f"micro-batches are packed where it pays ({why}), their attention {runs!r} (packed_attention="
         f"{attention!r}: {how})"
     )
+
+
+def sixteen_bit(trainer, model) -> bool:
+    """Whether the model's attention runs in 16 bits: 16-bit weights, or bf16/fp16 autocast."""
+    dtype = next(model.parameters()).dtype
+    return dtype in (torch.bfloat16, torch.float16) or bool(trainer.args.bf16 or trainer.args.fp16)
 
 
 def transformers_model(model):
@@ -197,7 +206,7 @@ def packed_ids_forward(model, lm_head, attention: str | None):
 
     def forward(packed: PackedRows):
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                  **packed_attention.forward_kwargs(attention)}  # fmt: skip
+                  **packed_attention.forward_kwargs(attention, packed)}  # fmt: skip
         with packed_attention.packed_masks(attention):
             hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
         return hidden[0], outputs

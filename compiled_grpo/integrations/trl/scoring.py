@@ -50,7 +50,7 @@ def packed_logps(trainer, model, input_ids, lengths: Lengths, batch_size: int | 
         attention = trainer.packed_attention
         with trainer.accelerator.autocast(), packed_attention.packed_masks(attention):
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, shift_labels=labels,
-                        fused_lm_head=True, **packed_attention.forward_kwargs(attention))  # fmt: skip
+                        fused_lm_head=True, **packed_attention.forward_kwargs(attention, packed))  # fmt: skip
         chunk = out.log_probs.new_zeros(len(rows) * C).index_put((t.flat,), out.log_probs[0, t.row_index])
         chunks.append(chunk.view(len(rows), C))
     return torch.cat(chunks)
