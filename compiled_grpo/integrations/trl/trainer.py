@@ -11,7 +11,7 @@ from trl import GRPOTrainer
 
 from ... import logprobs
 from ...loss import FusedLinearGRPOLoss, GRPOLossOutput
-from . import entropy_bonus, packing, regroup, scoring, sharded_head, zero_advantage
+from . import entropy_bonus, packing, regional_compile, regroup, scoring, sharded_head, zero_advantage
 from . import padding_free as real_tokens
 from . import plan as micro_batch_plan
 from .head import compiled_fused_head
@@ -44,7 +44,11 @@ class CompiledGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
-                 **kwargs):  # fmt: skip
+                 compile_backbone: bool = False, **kwargs):  # fmt: skip
+        if not isinstance(compile_backbone, bool):
+            raise TypeError(f"compile_backbone: expected True or False, got {compile_backbone!r}")
+        self.compile_backbone = compile_backbone
+        self.backbone_layers = None
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
@@ -71,12 +75,15 @@ class CompiledGRPOTrainer(GRPOTrainer):
         narrowed = widened_hidden_dtype(self) if self.args.cast_lm_head_to_fp32 else None
         with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits,
                                  hidden_dtype=narrowed):  # fmt: skip
-            return scoring.per_token_logps(self, super()._get_per_token_logps_and_entropies, *args, **kwargs)
+            return regional_compile.forward_or_fall_back(self, lambda: scoring.per_token_logps(
+                self, super(CompiledGRPOTrainer, self)._get_per_token_logps_and_entropies, *args, **kwargs))
 
     def _prepare_inputs(self, generation_batch):
         """TRL's micro-batch; a new generation batch's micro-batches carry their rows at advantage 0 (one read-back
         for them all), and under skip_zero_advantage="all" its sequences with a gradient are first gathered into
         the first micro-batches of each optimizer step (`regroup`)."""
+        if self.compile_backbone and self.model.training:  # after accelerate wrapped the model (FSDP2 units, DDP)
+            regional_compile.compile_trainer_backbone(self)
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
         fresh = self._buffered_inputs is not buffered and self.model.training
@@ -87,6 +94,11 @@ class CompiledGRPOTrainer(GRPOTrainer):
         # each micro-batch's plan (its rows at 0, its real tokens), found once
         micro_batch_plan.annotate(self, self._buffered_inputs, with_zeros=self.skip_reason is None)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _generate(self, prompts: list):
+        """TRL's generation, on eager decoder layers (one token at a time against a cache: no compiled layer)."""
+        with regional_compile.eager_layers(self):
+            return super()._generate(prompts)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -108,7 +120,9 @@ class CompiledGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         padded = lambda rows: completion_hidden_states(model, lm_head, rows, completion_ids.size(1))  # noqa: E731
         with self.accelerator.autocast():
-            hidden, outputs, targets = real_tokens.forward(self, model, padded, model_inputs, lengths, plan)
+            hidden, outputs, targets = regional_compile.forward_or_fall_back(
+                self, lambda: real_tokens.forward(self, model, padded, model_inputs, lengths, plan)
+            )
             if hidden is None:  # no sequence to train and nothing to log: no forward at all
                 zero_advantage.log_skipped(self, plan, mode)
                 return zero_advantage.zero_gradients_loss(model)

@@ -1,0 +1,109 @@
+"""The backbone compiled by region: each repeated decoder layer's call under `torch.compile(dynamic=True)`, in place.
+
+A model's decoder layers are one class repeated: compiled by region, they share one compiled code object (dynamo
+inlines the module, its parameters are the graph's inputs), and a dynamic sequence length lets a new packed or
+trimmed length reuse it. `nn.Module.compile` compiles a module's own call in place, so parameter names, hooks
+(FSDP2's, PEFT's adapters inside the layer) and gradient checkpointing (transformers checkpoints inside the layer's
+forward) stay as they are; accelerate's `compile_regions` returns a copy of the model instead, which a trainer that
+keeps its model cannot use.
+
+CompiledGRPOTrainer compiles at its first step (`_prepare_inputs`), after accelerate has wrapped the model (FSDP2
+units, DDP), the policy's layers and the reference model's; where compiling fails at a layer's first call, the
+layers run eagerly again and the reason is said once (`BackboneNotice`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from ... import kernels
+
+
+class BackboneNotice(UserWarning):
+    """What `compile_backbone` compiled (and how long its first step took), or why it runs eagerly."""
+
+
+def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the members of its longest `nn.ModuleList` of one class (a decoder's layers)."""
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
+            if len({type(child) for child in module}) == 1:
+                best = list(module)
+    return best if len(best) > 1 else []
+
+
+def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated layers, each one's call compiled in place (dynamic shapes); the layers."""
+    layers = repeated_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return layers
+
+
+def uncompile(layers: list[torch.nn.Module]) -> None:
+    """The layers' calls eager again."""
+    for layer in layers:
+        layer._compiled_call_impl = None
+
+
+def compiled(layers: list[torch.nn.Module]) -> bool:
+    return bool(layers) and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
+
+
+def say(message: str) -> None:
+    warnings.warn(f"compiled_grpo: {message}", BackboneNotice, stacklevel=kernels.frames_to_caller())
+
+
+def compile_trainer_backbone(trainer) -> None:
+    """Compile the policy's (and the reference model's) decoder layers, once per trainer; said once."""
+    if getattr(trainer, "backbone_layers", None) is not None:
+        return
+    models = [trainer.accelerator.unwrap_model(trainer.model)]
+    if getattr(trainer, "ref_model", None) is not None:
+        models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
+    trainer.backbone_layers = [layer for model in models for layer in compile_layers(model)]
+    trainer.backbone_started = time.perf_counter()
+    if not trainer.backbone_layers:
+        say("compile_backbone: no repeated layers found in the model; its forwards run eagerly")
+        return
+    kind = type(trainer.backbone_layers[0]).__name__
+    say(f"compile_backbone: {len(trainer.backbone_layers)} {kind} layers compiled by region (torch.compile, dynamic "
+        "lengths); the first step compiles them (tens of seconds), later lengths reuse the code")  # fmt: skip
+
+
+class eager_layers:
+    """Inside the block the trainer's compiled layers run eagerly (generation: one token at a time against a cache,
+    which a compiled layer would trace anew), compiled again after it."""
+
+    def __init__(self, trainer):
+        self.layers = getattr(trainer, "backbone_layers", None) or []
+        self.impls = [getattr(layer, "_compiled_call_impl", None) for layer in self.layers]
+
+    def __enter__(self):
+        uncompile(self.layers)
+
+    def __exit__(self, *exc):
+        for layer, impl in zip(self.layers, self.impls, strict=True):
+            layer._compiled_call_impl = impl
+
+
+def forward_or_fall_back(trainer, forward):
+    """`forward()`, and where a compiled layer fails to compile in it, the layers eager again (said once, with the
+    reason) and `forward()` once more."""
+    layers = getattr(trainer, "backbone_layers", None) or []
+    if not compiled(layers):
+        return forward()
+    try:
+        return forward()
+    except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
+            torch._dynamo.exc.TorchRuntimeError) as error:  # fmt: skip
+        uncompile(layers)
+        cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # the backend's own error
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        say(f"compile_backbone: compiling the decoder layers failed ({type(error).__name__}: "
+            f"{type(cause).__name__}: {first[:300]}); they run eagerly from here")  # fmt: skip
+        return forward()

@@ -1,0 +1,121 @@
+"""`compile_backbone=True`: the decoder layers compiled by region (Inductor on the CPU here), float32. `train()` with
+gradient checkpointing, packed and trimmed, equals GRPOTrainer's eager steps; every loss type, packed and padded,
+equals TRL's `_compute_loss` on eager layers; 50 micro-batches of random lengths add a bounded number of graphs;
+a layer that fails to compile runs eagerly, said once."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch._dynamo.utils
+from test_integration_trl import loss_and_grads
+from test_padding_free import LOSS_TYPES, packed_calls, trainer_for, varied_batch, with_logps  # noqa: F401
+from test_skip_zero_advantage import assert_same, trl_loss
+from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, tmp_root, train  # noqa: F401
+
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, regional_compile
+
+pytestmark = pytest.mark.compiled
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("padding", ["pack", "trim"])
+def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, padding):  # noqa: F811
+    before = graphs()
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free=padding,
+                                   packed_attention="sdpa", skip_zero_advantage=False,
+                                   compile_backbone=True)  # fmt: skip
+    assert regional_compile.compiled(trainer.backbone_layers) and len(trainer.backbone_layers) == 2
+    assert graphs() > before or padding == "trim"  # "trim" reuses the graphs "pack" made (dynamic lengths)
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
+    assert packed_share(trainer) == (1.0 if padding == "pack" else 0.0)
+
+
+@contextlib.contextmanager
+def layers_compiled(trainer, must_run=True):
+    """The trainer's decoder layers compiled inside the block; with `must_run`, their compiled calls must have run
+    in it (counted), so an uncompiled run cannot pass for a compiled one."""
+    trainer.backbone_layers = regional_compile.compile_layers(trainer.model)
+    calls = []
+    for layer in trainer.backbone_layers:
+        impl = layer._compiled_call_impl
+        layer._compiled_call_impl = lambda *a, impl=impl, **k: calls.append(1) or impl(*a, **k)
+    try:
+        yield
+    finally:
+        regional_compile.uncompile(trainer.backbone_layers)
+    assert calls or not must_run, "no compiled layer ran"
+
+
+@pytest.mark.parametrize("padding", ["pack", False])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_on_compiled_layers_equals_trl(tmp_path, loss_type, padding):
+    trainer = trainer_for(tmp_path, loss_type=loss_type)
+    trainer.padding_free_mode = padding
+    inputs = with_logps(trainer, varied_batch(), 0.0)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)  # eager layers
+    with layers_compiled(trainer):
+        ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    assert_same(ours, theirs)
+
+
+def test_fifty_micro_batches_of_random_lengths_add_a_bounded_number_of_graphs(tmp_path):
+    """Packed rows of 50 different lengths (bucket 1) and trimmed widths: after the first micro-batches (one graph
+    per kind of call: with grad, without, and their backward), no length recompiles."""
+    trainer = trainer_for(tmp_path, loss_type="dapo")
+    trainer.packed_bucket = 1
+    g = torch.Generator().manual_seed(0)
+    with layers_compiled(trainer):
+        counts = []
+        for step in range(50):
+            inputs = varied_batch(seed=step)
+            shorter = torch.randint(1, 10, (6,), generator=g)  # completions cut to random lengths
+            inputs["completion_mask"] = inputs["completion_mask"] * (torch.arange(9) < shorter[:, None])
+            inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
+            trainer.padding_free_mode = "pack" if step % 2 else "trim"
+            loss_and_grads(trainer._compute_loss, trainer, inputs)
+            counts.append(graphs())
+    assert counts[-1] - counts[3] <= 2, counts  # at most a graph for a shape kind first met late (a length of 1)
+
+
+def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("this backend cannot compile")
+
+    def compile_failing(model):
+        layers = regional_compile.repeated_layers(model)
+        for layer in layers:
+            layer.compile(backend=failing_backend, dynamic=True)
+        return layers
+
+    monkeypatch.setattr(regional_compile, "compile_layers", compile_failing)
+    torch._dynamo.reset()  # the layers' code was compiled by Inductor above: a new backend would only recompile
+    trainer = trainer_for(tmp_path, loss_type="dapo")
+    inputs = with_logps(trainer, varied_batch(), 0.0)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
+    trainer.compile_backbone = True
+    regional_compile.compile_trainer_backbone(trainer)
+    with pytest.warns(regional_compile.BackboneNotice, match="cannot compile.*run eagerly from here"):
+        ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    assert not regional_compile.compiled(trainer.backbone_layers)
+    assert_same(ours, theirs)
+    torch._dynamo.reset()
+
+
+def test_generation_runs_on_eager_layers(tmp_path):
+    trainer = trainer_for(tmp_path, loss_type="dapo")
+    with layers_compiled(trainer, must_run=False):
+        assert regional_compile.compiled(trainer.backbone_layers)
+        with regional_compile.eager_layers(trainer):
+            assert not any(layer._compiled_call_impl for layer in trainer.backbone_layers)
+        assert regional_compile.compiled(trainer.backbone_layers)
+
+
+def test_compile_backbone_takes_a_bool(tmp_path):
+    with pytest.raises(TypeError, match="compile_backbone: expected True or False"):
+        train(tmp_path, CompiledGRPOTrainer, "sdpa", False, compile_backbone="yes")
