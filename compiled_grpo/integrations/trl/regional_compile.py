@@ -14,7 +14,6 @@ layers run eagerly again and the reason is said once (`BackboneNotice`).
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
@@ -30,9 +29,9 @@ def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks: the members of its longest `nn.ModuleList` of one class (a decoder's layers)."""
     best: list[torch.nn.Module] = []
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
-            if len({type(child) for child in module}) == 1:
-                best = list(module)
+        longer = isinstance(module, torch.nn.ModuleList) and len(module) > len(best)
+        if longer and len({type(child) for child in module}) == 1:
+            best = list(module)
     return best if len(best) > 1 else []
 
 
@@ -58,15 +57,21 @@ def say(message: str) -> None:
     warnings.warn(f"compiled_grpo: {message}", BackboneNotice, stacklevel=kernels.frames_to_caller())
 
 
+def configure(trainer, compile_backbone) -> None:
+    if not isinstance(compile_backbone, bool):
+        raise TypeError(f"compile_backbone: expected True or False, got {compile_backbone!r}")
+    trainer.compile_backbone, trainer.backbone_layers = compile_backbone, None
+
+
 def compile_trainer_backbone(trainer) -> None:
-    """Compile the policy's (and the reference model's) decoder layers, once per trainer; said once."""
-    if getattr(trainer, "backbone_layers", None) is not None:
+    """Where the trainer compiles its backbone, and in training: the policy's (and the reference model's) decoder
+    layers compiled, once per trainer; said once."""
+    if not trainer.compile_backbone or not trainer.model.training or trainer.backbone_layers is not None:
         return
     models = [trainer.accelerator.unwrap_model(trainer.model)]
     if getattr(trainer, "ref_model", None) is not None:
         models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
     trainer.backbone_layers = [layer for model in models for layer in compile_layers(model)]
-    trainer.backbone_started = time.perf_counter()
     if not trainer.backbone_layers:
         say("compile_backbone: no repeated layers found in the model; its forwards run eagerly")
         return

@@ -45,10 +45,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
                  compile_backbone: bool = False, **kwargs):  # fmt: skip
-        if not isinstance(compile_backbone, bool):
-            raise TypeError(f"compile_backbone: expected True or False, got {compile_backbone!r}")
-        self.compile_backbone = compile_backbone
-        self.backbone_layers = None
+        regional_compile.configure(self, compile_backbone)
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
@@ -75,15 +72,18 @@ class CompiledGRPOTrainer(GRPOTrainer):
         narrowed = widened_hidden_dtype(self) if self.args.cast_lm_head_to_fp32 else None
         with compiled_fused_head(self.fused_loss.kernels.compiled, round_logits=self.fused_loss.round_logits,
                                  hidden_dtype=narrowed):  # fmt: skip
-            return regional_compile.forward_or_fall_back(self, lambda: scoring.per_token_logps(
-                self, super(CompiledGRPOTrainer, self)._get_per_token_logps_and_entropies, *args, **kwargs))
+            return regional_compile.forward_or_fall_back(
+                self,
+                lambda: scoring.per_token_logps(
+                    self, super(CompiledGRPOTrainer, self)._get_per_token_logps_and_entropies, *args, **kwargs
+                ),
+            )
 
     def _prepare_inputs(self, generation_batch):
         """TRL's micro-batch; a new generation batch's micro-batches carry their rows at advantage 0 (one read-back
         for them all), and under skip_zero_advantage="all" its sequences with a gradient are first gathered into
         the first micro-batches of each optimizer step (`regroup`)."""
-        if self.compile_backbone and self.model.training:  # after accelerate wrapped the model (FSDP2 units, DDP)
-            regional_compile.compile_trainer_backbone(self)
+        regional_compile.compile_trainer_backbone(self)  # once, after accelerate wrapped the model (FSDP2, DDP)
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
         fresh = self._buffered_inputs is not buffered and self.model.training
@@ -95,8 +95,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         micro_batch_plan.annotate(self, self._buffered_inputs, with_zeros=self.skip_reason is None)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _generate(self, prompts: list):
-        """TRL's generation, on eager decoder layers (one token at a time against a cache: no compiled layer)."""
+    def _generate(self, prompts: list):  # on eager decoder layers (one token at a time against a cache)
         with regional_compile.eager_layers(self):
             return super()._generate(prompts)
 
@@ -146,31 +145,35 @@ class CompiledGRPOTrainer(GRPOTrainer):
         return loss
 
     def _fused_loss(self, hidden, lm_head, inputs: dict, mode) -> GRPOLossOutput:
-        """The fused loss of this micro-batch (in eval mode without gradient accumulation, as TRL), padded or packed
-        (`packing.per_target`), its mask `inputs["completion_mask"]`, run inside a call of the lm_head so that an
-        engine that shards its weight gathers it (`sharded_head.within_head`)."""
-        args = self.args
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        ratio = inputs.get("importance_sampling_ratio")
-        use_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or args.loss_type == "vespo"
-        call = {
-            "old_per_token_logps": inputs.get("old_per_token_logps"),
-            "ref_per_token_logps": inputs.get("ref_per_token_logps") if args.beta != 0.0 else None,
-            "importance_sampling_ratio": ratio if use_ratio else None,
-            "sampling_per_token_logps": inputs.get("sampling_per_token_logps"),
-            "num_items_in_batch": inputs.get("num_items_in_batch"),
-            "num_processes": self.accelerator.num_processes,
-            "gradient_accumulation_steps": accumulation,
-            "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
-            "entropy_coef": entropy_bonus.entropy_coef_to_apply(self, hidden.device),
-            **{k: inputs[k] for k in ("segment_ids", "num_sequences", "row_index") if k in inputs},
-        }
+        """The fused loss of this micro-batch, padded or packed (`packing.per_target`), its mask
+        `inputs["completion_mask"]`, run where an engine that shards the lm_head gathers it (`sharded_head`)."""
+        call = loss_call(self, inputs, mode, hidden.device)
         completion_ids, mask, advantages = inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"]
 
         def compute(weight, bias, hidden):
             return loss_on_head(self, hidden, (weight, bias), (completion_ids, mask, advantages), call)
 
         return sharded_head.loss_within_head(lm_head, compute, hidden, self.model)
+
+
+def loss_call(trainer, inputs: dict, mode: str, device) -> dict:
+    """The fused loss's keyword inputs for this micro-batch, from TRL's (in eval mode without gradient
+    accumulation, as TRL)."""
+    args = trainer.args
+    ratio = inputs.get("importance_sampling_ratio")
+    use_ratio = (trainer.use_vllm and trainer.vllm_importance_sampling_correction) or args.loss_type == "vespo"
+    return {
+        "old_per_token_logps": inputs.get("old_per_token_logps"),
+        "ref_per_token_logps": inputs.get("ref_per_token_logps") if args.beta != 0.0 else None,
+        "importance_sampling_ratio": ratio if use_ratio else None,
+        "sampling_per_token_logps": inputs.get("sampling_per_token_logps"),
+        "num_items_in_batch": inputs.get("num_items_in_batch"),
+        "num_processes": trainer.accelerator.num_processes,
+        "gradient_accumulation_steps": trainer.current_gradient_accumulation_steps if mode == "train" else 1,
+        "steps_per_generation": args.steps_per_generation if mode == "train" else 1,
+        "entropy_coef": entropy_bonus.entropy_coef_to_apply(trainer, device),
+        **{k: inputs[k] for k in ("segment_ids", "num_sequences", "row_index") if k in inputs},
+    }
 
 
 def widened_hidden_dtype(trainer) -> torch.dtype | None:
