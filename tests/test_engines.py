@@ -259,7 +259,6 @@ def root_unit_worker(rank, world, reshard, wrap, result):
     (`completion_hidden_states`, `loss_within_head` given the model), two micro-batches accumulated, against one
     process on the whole batch."""
     from test_skip_zero_advantage import tiny_qwen2
-    from torch.distributed.device_mesh import init_device_mesh
 
     from compiled_grpo.integrations.trl.hidden_states import completion_hidden_states
     from compiled_grpo.integrations.trl.sharded_head import loss_within_head
@@ -283,20 +282,29 @@ def root_unit_worker(rank, world, reshard, wrap, result):
 
             return loss_within_head(lm_head, compute, hidden, model).loss
 
-        one = tiny_qwen2(tie=False)
-        for _ in range(2):
-            loss_of(one, slice(None), 1).backward()
-        sharded = tiny_qwen2(tie=False)
-        shard_as(sharded, wrap, init_device_mesh("cpu", (world,)), reshard)
-        for _ in range(2):
-            loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
-        theirs = dict(sharded.named_parameters())
-        errors = {name: float((theirs[name].grad.full_tensor() - p.grad).abs().max() / p.grad.abs().max())
-                  for name, p in one.named_parameters()}  # fmt: skip
-        if rank == 0:
-            torch.save(errors, result)
+        sharded_against_one(lambda: tiny_qwen2(tie=False), loss_of, (rank, world), (wrap, reshard), result)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def sharded_against_one(make, loss_of, ranks: tuple, sharding: tuple, result) -> None:
+    """Two micro-batches accumulated on `make()` in one process on the whole batch and on `make()` sharded as
+    `shard_as(*sharding)` over the ranks, each rank on its slice; rank 0 saves each parameter's relative error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = ranks
+    one = make()
+    for _ in range(2):
+        loss_of(one, slice(None), 1).backward()
+    sharded = make()
+    shard_as(sharded, sharding[0], init_device_mesh("cpu", (world,)), sharding[1])
+    for _ in range(2):
+        loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
+    theirs = dict(sharded.named_parameters())
+    errors = {name: float((theirs[name].grad.full_tensor() - p.grad).abs().max() / p.grad.abs().max())
+              for name, p in one.named_parameters()}  # fmt: skip
+    if rank == 0:
+        torch.save(errors, result)
 
 
 @pytest.mark.parametrize("wrap", ["root", "accelerate"])
@@ -317,8 +325,6 @@ def head_swap_worker(rank, world, reshard, result):
     each decoder layer an FSDP2 unit and the lm_head in the root unit, two micro-batches accumulated, against one
     process on the whole batch."""
     from test_skip_zero_advantage import tiny_qwen2
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from trl.trainer.utils import add_fused_lm_head
 
     from compiled_grpo.integrations.trl import compiled_fused_head
@@ -336,23 +342,12 @@ def head_swap_worker(rank, world, reshard, result):
                 return model(input_ids=ids[rows], labels=labels[rows], fused_lm_head=True,
                              num_items_in_batch=tokens / processes).loss  # fmt: skip
 
-        one = tiny_qwen2(tie=False)
-        add_fused_lm_head(one)
-        for _ in range(2):
-            loss_of(one, slice(None), 1).backward()
-        sharded = tiny_qwen2(tie=False)
-        add_fused_lm_head(sharded)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in sharded.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
-        for _ in range(2):
-            loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
-        theirs = dict(sharded.named_parameters())
-        errors = {name: float((theirs[name].grad.full_tensor() - p.grad).abs().max() / p.grad.abs().max())
-                  for name, p in one.named_parameters()}  # fmt: skip
-        if rank == 0:
-            torch.save(errors, result)
+        def make():
+            model = tiny_qwen2(tie=False)
+            add_fused_lm_head(model)
+            return model
+
+        sharded_against_one(make, loss_of, (rank, world), ("root", reshard), result)
     finally:
         torch.distributed.destroy_process_group()
 
