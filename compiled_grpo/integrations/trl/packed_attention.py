@@ -68,12 +68,6 @@ def install(model) -> None:
     model.set_attn_implementation(name)
 
 
-def uninstall(model) -> None:
-    """The model back on its own implementation (the dispatcher's registration stays: it is shared and harmless)."""
-    if installed(model):
-        model.set_attn_implementation(own_implementation(model))
-
-
 def known_implementations() -> tuple[str, ...]:
     """The names packed forwards can run under: transformers' registered attention implementations (this library's
     dispatchers aside), "eager" and `VARLEN`."""
