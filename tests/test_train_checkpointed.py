@@ -222,6 +222,27 @@ def varlen_stand_in(monkeypatch):
     monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
 
 
+@pytest.fixture
+def packing_read_back(monkeypatch):
+    """Calls of transformers' search for packed sequences in the position ids (a read-back from the device per
+    packed forward that builds a mask)."""
+    import transformers.masking_utils as masking
+
+    calls, find = [], masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or find(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("attention, read_backs", [("varlen", False), ("sdpa", True)])
+def test_varlen_packed_forwards_build_no_mask_and_read_nothing_back(tmp_path, varlen_stand_in, packing_read_back,
+                                                                    attention, read_backs):  # fmt: skip
+    """Packed forwards under "varlen" give the model no mask to build (so transformers does not read the packing back
+    from the device); under SDPA it builds the packed mask from the position ids (the contrast)."""
+    _, _, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack",
+                          packed_attention=attention, skip_zero_advantage=False)  # fmt: skip
+    assert packed_share(trainer) == 1.0 and bool(packing_read_back) == read_backs
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_train_on_varlen_attention_equals_grpo_trainer(tmp_path, tmp_root, dispatched, varlen_stand_in, reentrant):
     """`packed_attention="varlen"`: no mask, the sequences' boundaries from the plan among the forward's keyword

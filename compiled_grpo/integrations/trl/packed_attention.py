@@ -135,6 +135,14 @@ def packed_masks(name: str | None):
         _packed_mask_of.reset(token)
 
 
+def no_masks(config) -> dict:
+    """An attention-mask mapping with no mask for each of the model's layer types: a model given it builds none (and
+    reads nothing back to find the packed sequences: `VARLEN` has their boundaries from the plan)."""
+    text = config.get_text_config()
+    types = set(getattr(text, "layer_types", None) or ()) | {"full_attention", "sliding_attention"}
+    return dict.fromkeys(types)
+
+
 def forward_kwargs(name: str | None, packed) -> dict:
     """The keyword arguments that make a forward's layers attend with `name` (none for the model's own) over
     `packed` (`packing.PackedRows`): for `VARLEN`, its sequences' boundaries too, copied to the device without a

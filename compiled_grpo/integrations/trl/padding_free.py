@@ -204,9 +204,13 @@ def packed_ids_forward(model, lm_head, attention: str | None):
     """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position;
     its layers attend with `attention` (None: the model's own), by the forward's own arguments (`packed_attention`)."""
 
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)  # DDP's
+
     def forward(packed: PackedRows):
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   **packed_attention.forward_kwargs(attention, packed)}  # fmt: skip
+        if attention == packed_attention.VARLEN and config is not None:
+            inputs["attention_mask"] = packed_attention.no_masks(config)
         with packed_attention.packed_masks(attention):
             hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
         return hidden[0], outputs
