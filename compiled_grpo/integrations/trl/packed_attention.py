@@ -143,10 +143,10 @@ def no_masks(config) -> dict:
     return dict.fromkeys(types)
 
 
-def forward_kwargs(name: str | None, packed) -> dict:
+def forward_kwargs(name: str | None, packed, config) -> dict:
     """The keyword arguments that make a forward's layers attend with `name` (none for the model's own) over
     `packed` (`packing.PackedRows`): for `VARLEN`, its sequences' boundaries too, copied to the device without a
-    wait."""
+    wait, and (where the model's `config` is known) an empty mask mapping (`no_masks`)."""
     if name is None:
         return {}
     if name != VARLEN:
@@ -154,7 +154,8 @@ def forward_kwargs(name: str | None, packed) -> dict:
     from .packing import to_device
 
     bounds = to_device(packed.cu_seqlens, packed.input_ids.device)
-    return {PACKED_KWARG: name, "cu_seq_lens_q": bounds, "max_length_q": packed.longest}
+    kwargs = {PACKED_KWARG: name, "cu_seq_lens_q": bounds, "max_length_q": packed.longest}
+    return kwargs if config is None else {**kwargs, "attention_mask": no_masks(config)}
 
 
 def runs_on(name: str | None, device: torch.device, sixteen_bit: bool) -> str | None:

@@ -208,9 +208,7 @@ def packed_ids_forward(model, lm_head, attention: str | None):
 
     def forward(packed: PackedRows):
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                  **packed_attention.forward_kwargs(attention, packed)}  # fmt: skip
-        if attention == packed_attention.VARLEN and config is not None:
-            inputs["attention_mask"] = packed_attention.no_masks(config)
+                  **packed_attention.forward_kwargs(attention, packed, config)}  # fmt: skip
         with packed_attention.packed_masks(attention):
             hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
         return hidden[0], outputs

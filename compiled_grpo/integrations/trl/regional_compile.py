@@ -14,6 +14,7 @@ layers run eagerly again and the reason is said once (`BackboneNotice`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -22,7 +23,7 @@ from ... import kernels
 
 
 class BackboneNotice(UserWarning):
-    """What `compile_backbone` compiled (and how long its first step took), or why it runs eagerly."""
+    """What `compile_backbone` compiled, or why the layers run eagerly."""
 
 
 def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -80,19 +81,17 @@ def compile_trainer_backbone(trainer) -> None:
         "lengths); the first step compiles them (tens of seconds), later lengths reuse the code")  # fmt: skip
 
 
-class eager_layers:
+@contextlib.contextmanager
+def eager_layers(trainer):
     """Inside the block the trainer's compiled layers run eagerly (generation: one token at a time against a cache,
     which a compiled layer would trace anew), compiled again after it."""
-
-    def __init__(self, trainer):
-        self.layers = getattr(trainer, "backbone_layers", None) or []
-        self.impls = [getattr(layer, "_compiled_call_impl", None) for layer in self.layers]
-
-    def __enter__(self):
-        uncompile(self.layers)
-
-    def __exit__(self, *exc):
-        for layer, impl in zip(self.layers, self.impls, strict=True):
+    layers = getattr(trainer, "backbone_layers", None) or []
+    impls = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
+    uncompile(layers)
+    try:
+        yield
+    finally:
+        for layer, impl in zip(layers, impls, strict=True):
             layer._compiled_call_impl = impl
 
 

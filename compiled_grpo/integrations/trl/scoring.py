@@ -48,9 +48,7 @@ def packed_logps(trainer, model, input_ids, lengths: Lengths, batch_size: int | 
         labels = torch.full_like(packed.input_ids, -100)
         labels[0, t.row_index] = completions[rows[0] : rows[-1] + 1].reshape(-1).index_select(0, t.flat)
         attention = trainer.packed_attention
-        kwargs = packed_attention.forward_kwargs(attention, packed)
-        if attention == packed_attention.VARLEN:
-            kwargs["attention_mask"] = packed_attention.no_masks(trainer.accelerator.unwrap_model(model).config)
+        kwargs = packed_attention.forward_kwargs(attention, packed, trainer.accelerator.unwrap_model(model).config)
         with trainer.accelerator.autocast(), packed_attention.packed_masks(attention):
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, shift_labels=labels,
                         fused_lm_head=True, **kwargs)  # fmt: skip
