@@ -141,10 +141,26 @@ TRAINERS = {  # name: (trainer, its options)
     "noskip": (CompiledGRPOTrainer, {"skip_zero_advantage": False}),
     # real tokens only: the default packs (FlexAttention or SDPA by hidden size on a GPU); forced choices, trimming
     # alone, and TRL's padded forward
-    "packed-sdpa": (CompiledGRPOTrainer, {"packed_attention": "sdpa"}),
-    "packed-flex": (CompiledGRPOTrainer, {"packed_attention": "flex_attention"}),
+    "packed-sdpa": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "sdpa"}),
+    "packed-flex": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "flex_attention"}),
     # torch's varlen FlashAttention (CUDA, 16-bit): no mask, the sequences' boundaries from the plan
-    "packed-varlen": (CompiledGRPOTrainer, {"packed_attention": "varlen"}),
+    "packed-varlen": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "varlen"}),
+    # the trainer's own `compile_backbone=True` (decoder layers compiled by region at its first step) with each
+    # padding-free choice
+    "backbone": (CompiledGRPOTrainer, {"compile_backbone": True}),
+    "trim-backbone": (CompiledGRPOTrainer, {"padding_free": "trim", "compile_backbone": True}),
+    "sdpa-backbone": (
+        CompiledGRPOTrainer,
+        {"padding_free": "pack", "packed_attention": "sdpa", "compile_backbone": True},
+    ),  # fmt: skip
+    "flex-backbone": (
+        CompiledGRPOTrainer,
+        {"padding_free": "pack", "packed_attention": "flex_attention", "compile_backbone": True},
+    ),  # fmt: skip
+    "varlen-backbone": (
+        CompiledGRPOTrainer,
+        {"padding_free": "pack", "packed_attention": "varlen", "compile_backbone": True},
+    ),  # fmt: skip
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
     "padded": (CompiledGRPOTrainer, {"padding_free": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
@@ -189,6 +205,11 @@ LABELS = {
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
     "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",
+    "backbone": "CompiledGRPOTrainer, compile_backbone=True",
+    "trim-backbone": "CompiledGRPOTrainer, trimmed, compile_backbone=True",
+    "sdpa-backbone": "CompiledGRPOTrainer, packed, SDPA, compile_backbone=True",
+    "flex-backbone": "CompiledGRPOTrainer, packed, FlexAttention, compile_backbone=True",
+    "varlen-backbone": "CompiledGRPOTrainer, packed, varlen FlashAttention, compile_backbone=True",
     "grpo-liger": "GRPOTrainer, use_liger_kernel=True",
     "grpo-compiled-layers": "GRPOTrainer, decoder layers compiled",
     "auto-compiled-layers": "CompiledGRPOTrainer, decoder layers compiled",
@@ -214,7 +235,7 @@ def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion
     cls, options = TRAINERS[name]
     options = dict(options or {})
     config = options.pop("config", {})
-    options.pop("compiled_layers", None)  # applied around the row's steps (`with_compiled_layers`)
+    options.pop("compiled_layers", None)  # applied around the row's steps (`with_own_layer_calls`)
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
@@ -395,25 +416,25 @@ def peak_of(step, on_gpu: bool, reset) -> float | None:
     return peak
 
 
-def with_compiled_layers(model, step):
-    """`step` with the model's decoder layers compiled by region (each layer's call under `torch.compile`, dynamic
-    lengths; compiled once, kept between the row's steps) and eager again after it: the model is shared by every
-    row of the run."""
+def with_own_layer_calls(model, step, by_hand: bool = False):
+    """`step` with the decoder layers' calls as this row left them (compiled by the trainer's `compile_backbone`, or
+    `by_hand`: each layer's call under `torch.compile`, dynamic lengths, as a user can do), eager again after it: the
+    model is shared by every row of the run, so one row's compiled layers must not run in another's."""
     layers = model.model.layers
-    compiled = []
+    impls = [None] * len(layers)
 
     def run():
-        if not compiled:
-            for layer in layers:
+        if by_hand and impls[0] is None:
+            for i, layer in enumerate(layers):
                 layer.compile(dynamic=True)
-                compiled.append(layer._compiled_call_impl)
-        for layer, impl in zip(layers, compiled, strict=True):
+                impls[i] = layer._compiled_call_impl
+        for layer, impl in zip(layers, impls, strict=True):
             layer._compiled_call_impl = impl
         try:
             step()
         finally:
-            for layer in layers:
-                layer._compiled_call_impl = None
+            for i, layer in enumerate(layers):
+                impls[i], layer._compiled_call_impl = layer._compiled_call_impl, None
 
     return run
 
@@ -516,7 +537,7 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
             zeros_read = any(t.skip_reason is None for t in compiled)
             plan.annotate(compiled[0], batches, with_zeros=zeros_read)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
-        steps = {n: with_compiled_layers(model, f) if compiles_layers(n) else f for n, f in steps.items()}
+        steps = {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
         return f"{args.model} {kind} x{size}{checkpointing_label(checkpointing)}", steps, trainers
     count, optimizer = args.generation, setup["optimizer"]
@@ -528,7 +549,7 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
                 for name in names}  # fmt: skip
     steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
-    steps = {n: with_compiled_layers(model, f) if compiles_layers(n) else f for n, f in steps.items()}
+    steps = {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
     return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
 
 
@@ -545,6 +566,9 @@ def sweep(args) -> None:
     on_gpu = torch.cuda.is_available() and args.model != "tiny"
     device = "cuda" if on_gpu else "cpu"
     model, vocab, completion = make_model(args.model, device)
+    # the rows share one process and one model: the decoder layer's compiled code meets every row's kind of call
+    # (padded, packed on each attention, with and without grad), more than dynamo's default of 8 per code
+    torch._dynamo.config.recompile_limit = 64
     reset = lambda: model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=on_gpu) if args.generation else None
     setup = {"vocab": vocab, "device": device, "on_gpu": on_gpu, "completion": completion, "optimizer": optimizer}
@@ -554,7 +578,7 @@ def sweep(args) -> None:
                   + ("" if args.gradient_checkpointing else "-nockpt") + ".json")  # fmt: skip
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "trl": md.version("trl"), "transformers": md.version("transformers"),
-                "repeats": args.repeats}  # fmt: skip
+                "liger_kernel": installed("liger-kernel"), "repeats": args.repeats}  # fmt: skip
     rows, date = [], time.strftime("%Y-%m-%d", time.gmtime())
     for size in map(int, args.sizes.split(",")):
         for kind in args.batches.split(","):
@@ -584,6 +608,13 @@ def sweep(args) -> None:
             del steps, trainers
             if on_gpu:
                 torch.cuda.empty_cache()
+
+
+def installed(package: str) -> str | None:
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return None
 
 
 def report(args) -> None:

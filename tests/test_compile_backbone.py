@@ -116,6 +116,15 @@ def test_generation_runs_on_eager_layers(tmp_path):
         assert regional_compile.compiled(trainer.backbone_layers)
 
 
-def test_compile_backbone_takes_a_bool(tmp_path):
-    with pytest.raises(TypeError, match="compile_backbone: expected True or False"):
-        train(tmp_path, CompiledGRPOTrainer, "sdpa", False, compile_backbone="yes")
+def test_compile_backbone_takes_auto_or_a_bool(tmp_path):
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="compile_backbone: expected 'auto', True or False"):
+            train(tmp_path, CompiledGRPOTrainer, "sdpa", False, compile_backbone=bad)
+
+
+def test_auto_compiles_on_a_gpu_where_no_engine_shards_the_parameters():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert regional_compile.effective_mode("auto", cuda, shards_parameters=False) is True
+    assert regional_compile.effective_mode("auto", cuda, shards_parameters=True) is False
+    assert regional_compile.effective_mode("auto", cpu, shards_parameters=False) is False
+    assert regional_compile.effective_mode(True, cpu, shards_parameters=True) is True

@@ -11,7 +11,7 @@ from test_integration_trl import VOCAB, loss_and_grads, make_trainer
 from test_skip_zero_advantage import assert_same, tiny_qwen2, trl_loss
 from trl import GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packing, padding_free, plan
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packed_attention, packing, padding_free, plan
 
 B, P, C = 6, 5, 9
 PROMPTS, COMPLETIONS = [5, 2, 4, 1, 3, 5], [9, 3, 1, 6, 8, 2]  # real tokens of each row
@@ -191,11 +191,27 @@ def test_trim_only_equals_trl(tmp_path, packed_calls):
     assert_same(ours, theirs)
 
 
-def test_auto_packs_on_a_gpu_from_hidden_size_2048_only():
+def test_auto_packs_on_a_gpu_on_compiled_varlen_layers_or_from_hidden_size_2048():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert padding_free.effective_mode("auto", 3584, cuda) == "pack"
+    assert padding_free.effective_mode("auto", 896, cuda, compiled_varlen=True) == "pack"
     assert padding_free.effective_mode("auto", 1536, cuda) == padding_free.effective_mode("auto", 3584, cpu) == "trim"
+    assert padding_free.effective_mode("auto", 896, cpu, compiled_varlen=True) == "trim"
     assert padding_free.effective_mode(False, 3584, cuda) is False
+
+
+def test_auto_attention_is_varlen_where_it_runs(monkeypatch):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cuda = torch.device("cuda")
+    model = lambda **kw: Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64,  # noqa: E731
+                                                      num_hidden_layers=1, num_attention_heads=2, **kw))  # fmt: skip
+    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
+    assert padding_free.attention_for("auto", model(), cuda) == "varlen"
+    assert padding_free.attention_for("auto", model(), torch.device("cpu")) is None
+    assert padding_free.attention_for("auto", model(attention_dropout=0.1), cuda) == "sdpa"  # varlen runs none
+    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: "no varlen here")
+    assert padding_free.attention_for("auto", model(), cuda) == "sdpa"
 
 
 @pytest.mark.parametrize("bad", [{"padding_free": "yes"}, {"padding_free": 1}, {"packed_bucket": 0},

@@ -216,9 +216,7 @@ def varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_s
 
 @pytest.fixture
 def varlen_stand_in(monkeypatch):
-    import torch.nn.attention.varlen as varlen
-
-    monkeypatch.setattr(varlen, "varlen_attn", varlen_on_the_cpu)
+    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_on_the_cpu)
     monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
 
 
@@ -262,3 +260,31 @@ def test_varlen_attention_on_a_cpu_is_refused_at_construction(tmp_path):
 def test_an_unknown_packed_attention_is_refused(tmp_path):
     with pytest.raises(ValueError, match="packed_attention: 'flash' is none of"):
         train(tmp_path, CompiledGRPOTrainer, "sdpa", False, padding_free="pack", packed_attention="flash")
+
+
+def imports(function) -> list[str]:
+    import dis
+
+    return [i.argval for i in dis.get_instructions(function) if i.opname == "IMPORT_NAME"]
+
+
+def test_nothing_is_imported_inside_a_layers_attention():
+    """The dispatcher's per-call functions import nothing: dynamo cannot trace an import of transformers' lazy
+    modules and breaks a compiled layer's graph there (seen on torch 2.11: one graph per layer became four)."""
+    per_call = [packed_attention.attend, packed_attention.attention_function, packed_attention.varlen_attention,
+                packed_attention.causal_options, packed_attention.mask]  # fmt: skip
+    assert {f.__name__: imports(f) for f in per_call} == {f.__name__: [] for f in per_call}
+
+
+def test_varlen_takes_this_torchs_keywords(monkeypatch):
+    """torch 2.11's varlen_attn has no `enable_gqa` (its kernel takes fewer key and value heads as they are), and
+    older ones causal by a flag without a window."""
+    monkeypatch.setattr(packed_attention, "VARLEN_PARAMETERS", frozenset({"scale", "window_size", "return_aux"}))
+    assert packed_attention.causal_options(None, grouped=True) == {"window_size": (-1, 0)}
+    assert packed_attention.causal_options(4096, grouped=False) == {"window_size": (4095, 0)}
+    monkeypatch.setattr(packed_attention, "VARLEN_PARAMETERS", frozenset({"scale", "window_size", "enable_gqa"}))
+    assert packed_attention.causal_options(None, grouped=True) == {"window_size": (-1, 0), "enable_gqa": True}
+    monkeypatch.setattr(packed_attention, "VARLEN_PARAMETERS", frozenset({"is_causal", "return_aux"}))
+    assert packed_attention.causal_options(None, grouped=True) == {"is_causal": True}
+    with pytest.raises(ValueError, match="takes no sliding window"):
+        packed_attention.causal_options(4096, grouped=True)

@@ -15,8 +15,9 @@ reentrant checkpointing). Instead, `install` gives the model one implementation 
   (replayed as it is); while a packed forward runs (`packed_masks`), it is the packed implementation's mask.
 
 Besides transformers' implementations, packed forwards can run `VARLEN`: torch's own FlashAttention kernel for
-sequences of several lengths (`torch.nn.attention.varlen.varlen_attn`, CUDA, 16-bit), causal, GQA by
-`enable_gqa`, a sliding window where the layer has one. No mask at all: the sequences' boundaries
+sequences of several lengths (`torch.nn.attention.varlen.varlen_attn`, CUDA, 16-bit), causal, GQA (by
+`enable_gqa` where torch has it; before, the kernel takes fewer key and value heads as they are), a sliding window
+where the layer has one. No mask at all: the sequences' boundaries
 (`cu_seq_lens_q`, `max_length_q`) come from the micro-batch's plan on the host and travel among the forward's
 keyword arguments like the implementation's name.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import sys
 
 import torch
@@ -34,6 +36,25 @@ PACKED_KWARG = "compiled_grpo_packed_attention"
 VARLEN = "varlen"
 PREFIX = "compiled_grpo_over_"
 _packed_mask_of = contextvars.ContextVar("compiled_grpo_packed_mask_of", default=None)
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.9
+    varlen_attn = None
+
+
+def varlen_parameters() -> frozenset[str]:
+    """The keyword arguments this torch's `varlen_attn` takes (torch 2.11's has no `enable_gqa`)."""
+    return frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+
+
+VARLEN_PARAMETERS = varlen_parameters()  # read once here, not inside the (compiled) layers
+# Filled by `install`, read by every dispatched call: transformers' registry of attention functions and of masks,
+# and each attention module class's own eager function. Nothing is imported inside a layer's call: dynamo cannot
+# trace an import of transformers' lazy modules and breaks the compiled layer's graph there.
+_registry: dict = {}
+_eager_of: dict[type, object] = {}
 
 
 def registered_name(own: str) -> str:
@@ -57,15 +78,27 @@ def install(model) -> None:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     own = own_implementation(model)
     if own not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(f"packed attention: the model's attention implementation {own!r} has no mask function "
                          "in transformers' AttentionMaskInterface, so its calls cannot be dispatched")  # fmt: skip
+    _registry.update(functions=ALL_ATTENTION_FUNCTIONS, masks=ALL_MASK_ATTENTION_FUNCTIONS)
+    _eager_of.update(eager_functions(model))
     name = registered_name(own)
     AttentionInterface.register(name, functools.partial(attend, own))
     AttentionMaskInterface.register(name, functools.partial(mask, own))
     model.set_attn_implementation(name)
+
+
+def eager_functions(model) -> dict[type, object]:
+    """{module class: its modeling file's `eager_attention_forward`} for the model's modules (Llama's where a file
+    has none)."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
+
+    classes = {type(m) for m in model.modules()}
+    return {c: getattr(sys.modules.get(c.__module__), "eager_attention_forward", llama_eager) for c in classes}
 
 
 def known_implementations() -> tuple[str, ...]:
@@ -85,28 +118,21 @@ def attend(own: str, module, query, key, value, attention_mask, **kwargs):
 
 
 def attention_function(name: str, module):
-    """transformers' attention function `name`; "eager" is the model's own module-level eager function; `VARLEN`
+    """transformers' attention function `name`; "eager" is the module's own modeling file's eager function; `VARLEN`
     `varlen_attention`."""
     if name == VARLEN:
         return varlen_attention
     if name == "eager":
-        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if own is None:
-            from transformers.models.llama.modeling_llama import eager_attention_forward as own
-        return own
-    from transformers import AttentionInterface
-
-    return AttentionInterface()[name]
+        return _eager_of[type(module)]
+    return _registry["functions"][name]
 
 
 def mask(own: str, *args, **kwargs):
     """The mask of a forward: the packed implementation's while a packed forward runs, else the model's own."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     name = _packed_mask_of.get() or own
     if name == VARLEN:  # the boundaries travel as cu_seq_lens_q: no mask
         return None
-    return ALL_MASK_ATTENTION_FUNCTIONS[name](*args, **kwargs)
+    return _registry["masks"][name](*args, **kwargs)
 
 
 def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q, max_length_q, scaling=None,
@@ -114,15 +140,26 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
     """One packed row's attention ([1, heads, N, head_dim] query, key and value, as transformers hands them) by
     `varlen_attn`: each sequence of `cu_seq_lens_q` causal within itself (and within `sliding_window` positions);
     ([1, N, heads, head_dim], None) as transformers' attention functions return."""
-    from torch.nn.attention.varlen import varlen_attn
-
     if dropout:
         raise ValueError("packed_attention='varlen' runs no attention dropout; the model's is on in training")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, head_dim]
-    window = (-1, 0) if not sliding_window else (sliding_window - 1, 0)
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                      window_size=window, enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+                      **causal_options(sliding_window, k.shape[1] != q.shape[1]))  # fmt: skip
     return out.unsqueeze(0), None
+
+
+def causal_options(sliding_window: int | None, grouped: bool) -> dict:
+    """`varlen_attn`'s keywords for causal attention within each sequence (and `sliding_window` positions), with
+    fewer key and value heads than query heads where `grouped`, in this torch's terms."""
+    if "window_size" not in VARLEN_PARAMETERS:  # an older signature: causal by a flag, no window
+        if sliding_window:
+            raise ValueError(f"packed_attention='varlen': torch {torch.__version__}'s varlen_attn takes no sliding "
+                             "window; choose packed_attention='flex_attention' or 'sdpa'")  # fmt: skip
+        return {"is_causal": True}
+    options = {"window_size": (-1, 0) if not sliding_window else (sliding_window - 1, 0)}
+    if grouped and "enable_gqa" in VARLEN_PARAMETERS:
+        options["enable_gqa"] = True
+    return options
 
 
 @contextlib.contextmanager
@@ -171,9 +208,7 @@ def runs_on(name: str | None, device: torch.device, sixteen_bit: bool) -> str | 
 
 def varlen_unavailable(device: torch.device, sixteen_bit: bool) -> str | None:
     """Why torch's varlen FlashAttention cannot run here (None: it can)."""
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-    except ImportError:
+    if varlen_attn is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.9 has)"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return "torch's varlen FlashAttention runs on CUDA GPUs of compute capability 8.0 and up only"

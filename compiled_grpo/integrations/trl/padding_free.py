@@ -2,7 +2,8 @@
 
 `padding_free="pack"` packs each micro-batch where the model keeps packed sequences apart (checked once per trainer,
 `packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward; `"auto"` (the default)
-is "pack" on a GPU from hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
+is "pack" on a GPU where the packed attention is torch's varlen FlashAttention on compiled decoder layers, or from
+hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
 Packed forwards run under the attention implementation `attention_for` picks; where it is not the model's own, the
 model dispatches each call by its own arguments (`packed_attention`), so that a layer recomputed by gradient
 checkpointing attends as its forward did, and every other forward (generation, padded ones) keeps the model's own.
@@ -21,16 +22,15 @@ from .packing import PackedRows, can_pack, pack, targets
 from .plan import Lengths
 
 MODES = ("auto", "pack", "trim", False)
-# Measured on an H200 in the trainer without gradient checkpointing (Qwen2.5 shapes, long-tailed completion lengths,
-# docs/performance.md; to be re-measured as train() runs, checkpointed): packing
-# made the 7B optimizer step 2.01x GRPOTrainer's (trimming 1.23x); at 1.5B it gained no more than trimming (1.12-1.18x
-# against 1.12x) and lost where the row plan splits a micro-batch in two forwards (0.90-0.95x against 1.03-1.04x); at
-# 0.5B, where the step is bound by the host, it lost (0.75-0.84x; trimmed 0.78x and padded 1.03x, in runs whose
-# GRPOTrainer step moved by a third between them).
+# Measured on an H200 (torch 2.11, Qwen2.5 shapes, long-tailed completion lengths, optimizer steps of 4 micro-batches
+# with gradient checkpointing as train() runs; docs/performance.md), against GRPOTrainer's step: on compiled decoder
+# layers, packing on varlen FlashAttention beat trimming at every size (0.5B 1.43x against 1.31x, 1.5B 2.05x against
+# 1.45x); on eager layers packing paid from 7B (varlen 2.14x, FlexAttention 2.06x; trimmed rows at 1.5B 1.14x, at
+# 0.5B 0.90x, where the eager step is bound by the host).
 PACK_HIDDEN_SIZE = 2048
-# Measured on an H200 in the trainer (Qwen2.5 shapes, long-tailed lengths, docs/performance.md): FlexAttention's
-# packed step beat SDPA's at 7B (hidden size 3584), SDPA's beat it at 1.5B (1536). FlashAttention, where the model
-# already uses it, is kept.
+# Where varlen FlashAttention cannot run (torch < 2.9, fp32 attention, attention dropout): FlexAttention's packed step
+# beat SDPA's at 7B (hidden size 3584), SDPA's beat it at 1.5B (1536), without checkpointing. FlashAttention, where
+# the model already uses it, is kept.
 FLEX_HIDDEN_SIZE = 2048
 # A micro-batch packs only where its real tokens fill at most this share of its trimmed [B, prompt + completion]
 # area: a packed row's attention covers every real token against every other (SDPA with the packed mask) or its
@@ -64,8 +64,10 @@ def configure(trainer, mode, attention, bucket: int) -> None:
     whether the model can pack (None: not checked yet; "": it can; else why not)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     device = trainer.accelerator.device
-    trainer.padding_free_mode = effective_mode(mode, model.config.get_text_config().hidden_size, device)
-    trainer.packed_attention = attention_for(attention, model, device)
+    trainer.packed_attention = attention_for(attention, model, device, sixteen_bit(trainer, model))
+    compiled_varlen = trainer.packed_attention == packed_attention.VARLEN and trainer.compile_backbone
+    hidden = model.config.get_text_config().hidden_size
+    trainer.padding_free_mode = effective_mode(mode, hidden, device, compiled_varlen)
     trainer.packed_bucket = bucket
     trainer.packing_refused = None
     if trainer.padding_free_mode == "pack":
@@ -105,23 +107,29 @@ def transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def effective_mode(mode, hidden_size: int, device: torch.device):
-    """The mode a trainer runs: "auto" is "pack" on a GPU from hidden size `PACK_HIDDEN_SIZE`, else "trim"."""
+def effective_mode(mode, hidden_size: int, device: torch.device, compiled_varlen: bool = False):
+    """The mode a trainer runs: "auto" is "pack" on a GPU where packed forwards run varlen FlashAttention on compiled
+    layers (`compiled_varlen`) or from hidden size `PACK_HIDDEN_SIZE`, else "trim"."""
     if mode != "auto":
         return mode
-    return "pack" if device.type == "cuda" and hidden_size >= PACK_HIDDEN_SIZE else "trim"
+    return "pack" if device.type == "cuda" and (compiled_varlen or hidden_size >= PACK_HIDDEN_SIZE) else "trim"
 
 
-def attention_for(choice: str | None, model, device: torch.device) -> str | None:
+def attention_for(choice: str | None, model, device: torch.device, sixteen_bit: bool = True) -> str | None:
     """The attention implementation packed forwards run under (None: the model's own). "auto": on a GPU, the model's
-    FlashAttention where it uses one, else FlexAttention from hidden size `FLEX_HIDDEN_SIZE` and SDPA below it; on
-    the CPU the model's own."""
+    FlashAttention where it uses one, else torch's varlen FlashAttention where it runs (`sixteen_bit` attention, no
+    attention dropout), else FlexAttention from hidden size `FLEX_HIDDEN_SIZE` and SDPA below it; on the CPU the
+    model's own."""
     own = packed_attention.own_implementation(model)
     if choice != "auto":
         return None if choice == own else choice
     if device.type != "cuda" or own is None or "flash" in own:
         return None
-    return "flex_attention" if model.config.get_text_config().hidden_size >= FLEX_HIDDEN_SIZE else "sdpa"
+    config = model.config.get_text_config()
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if not dropout and packed_attention.varlen_unavailable(device, sixteen_bit) is None:
+        return packed_attention.VARLEN
+    return "flex_attention" if config.hidden_size >= FLEX_HIDDEN_SIZE else "sdpa"
 
 
 def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:

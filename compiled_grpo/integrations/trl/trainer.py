@@ -44,15 +44,16 @@ class CompiledGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
-                 compile_backbone: bool = False, **kwargs):  # fmt: skip
-        regional_compile.configure(self, compile_backbone)
+                 compile_backbone="auto", **kwargs):  # fmt: skip
+        regional_compile.check_mode(compile_backbone)
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
-        real_tokens.configure(self, padding_free, packed_attention, packed_bucket)
-        weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
         # an engine that shards the lm_head gathers it to a new address each call: graphs keyed on it would not serve
         self.shards_parameters = sharded_head.trainer_shards_parameters(self)
+        regional_compile.configure(self, compile_backbone)
+        real_tokens.configure(self, padding_free, packed_attention, packed_bucket)
+        weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
         options = {"capture": captures_by_default(weight) and not self.shards_parameters, **(loss_options or {})}
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))
         if "logits_budget_bytes" not in options:
