@@ -439,6 +439,42 @@ def with_own_layer_calls(model, step, by_hand: bool = False):
     return run
 
 
+def with_liger_kernels(model, config: dict, step):
+    """`step` on the model with Liger's kernels patched in as `trainer.train()` patches them (its RMSNorm, SwiGLU and
+    RoPE, into the model's modules and its modeling file; `_apply_liger_kernel_to_instance`), and the model as it
+    was after it: the model is shared by every row of the run. What the patch changed is found by comparing each
+    namespace before and after it."""
+    import sys
+
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    spaces = [vars(sys.modules[type(model).__module__]), *(vars(m) for m in model.modules())]
+    before = [dict(space) for space in spaces]
+    _apply_liger_kernel_to_instance(model=model, **(config or {}))
+    patched = [{k: v for k, v in space.items() if k not in old or old[k] is not v} for space, old in
+               zip(spaces, before, strict=True)]  # fmt: skip
+    originals = [{k: old.get(k, MISSING) for k in new} for new, old in zip(patched, before, strict=True)]
+
+    def put(states):
+        for space, state in zip(spaces, states, strict=True):
+            for key, value in state.items():
+                space.pop(key) if value is MISSING else space.__setitem__(key, value)
+
+    put(originals)
+
+    def run():
+        put(patched)
+        try:
+            step()
+        finally:
+            put(originals)
+
+    return run
+
+
+MISSING = object()
+
+
 def trainer_step(t, batches: list):
     """`_compute_loss` + backward on the next of `batches`; then CompiledGRPOTrainer's metrics are read back as a
     log after every step would (GRPOTrainer reads its own back inside `_compute_loss`)."""
@@ -537,6 +573,8 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
             zeros_read = any(t.skip_reason is None for t in compiled)
             plan.annotate(compiled[0], batches, with_zeros=zeros_read)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
+        steps.update({name: with_liger_kernels(model, t.args.liger_kernel_config, steps[name])
+                      for name, t in trainers.items() if t.args.use_liger_kernel})  # fmt: skip
         steps = {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
         return f"{args.model} {kind} x{size}{checkpointing_label(checkpointing)}", steps, trainers
@@ -549,6 +587,8 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
                 for name in names}  # fmt: skip
     steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
+    steps.update({name: with_liger_kernels(model, t.args.liger_kernel_config, steps[name])
+                  for name, t in trainers.items() if t.args.use_liger_kernel})  # fmt: skip
     steps = {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
     return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
 

@@ -198,3 +198,27 @@ def test_trl_step_headline_takes_its_batches_and_trainers_unless_given(monkeypat
         (trl_step.HEADLINE["batches"], "8", "grpo"),
         (",".join(trl_step.BATCHES), "8,16", trl_step.DEFAULT_TRAINERS),
     ]
+
+
+def test_a_rows_compiled_layers_run_in_its_own_steps_only():
+    """The rows share one model: layers compiled by hand for one row, or by the trainer inside another row's step
+    (compile_backbone), run compiled in that row's steps only."""
+    from benchmarks import trl_step
+
+    model, _, _ = trl_step.make_model("tiny", "cpu")
+    layers, seen = model.model.layers, []
+    look = lambda: seen.append([layer._compiled_call_impl is not None for layer in layers])  # noqa: E731
+
+    def compiles_in_its_step():
+        if layers[0]._compiled_call_impl is None:
+            for layer in layers:
+                layer.compile()
+        look()
+
+    by_hand = trl_step.with_own_layer_calls(model, look, by_hand=True)
+    eager = trl_step.with_own_layer_calls(model, look)
+    trainer = trl_step.with_own_layer_calls(model, compiles_in_its_step)
+    for step in (by_hand, eager, trainer, eager, trainer, by_hand):
+        step()
+    assert seen == [[True, True], [False, False], [True, True], [False, False], [True, True], [True, True]]
+    assert all(layer._compiled_call_impl is None for layer in layers)
