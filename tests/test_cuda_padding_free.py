@@ -2,7 +2,8 @@
 FlashAttention, bf16 autocast, equals GRPOTrainer's padded step to bf16 rounding (loss, every gradient, entropy),
 with gradient checkpointing off and on (reentrant and not: the checkpointed layers recompute under the attention
 their forward ran), on a model of the packed attention and of another one (dispatched per call); its packed rows
-equal each row forwarded alone; and `trainer.train()` runs 3 optimizer steps with every default at the 0.5B and 7B
+equal each row forwarded alone; the packed step on decoder layers compiled by region equals it too; and
+`trainer.train()` runs 3 optimizer steps with every default (compiled layers, varlen packing) at the 0.5B and 7B
 shapes, checkpointing on."""
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from test_padding_free import COMPLETIONS, PROMPTS, B, C, varied_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packed_attention, packing, padding_free, plan
+from compiled_grpo.integrations.trl import (
+    CompiledGRPOTrainer,
+    packed_attention,
+    packing,
+    padding_free,
+    plan,
+    regional_compile,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -49,13 +57,36 @@ PAIRS = [("sdpa", "sdpa"), ("flex_attention", "sdpa"), ("sdpa", "eager"), ("flex
 @pytest.mark.parametrize("checkpointing", list(CHECKPOINTING))
 @pytest.mark.parametrize("attention, model_attention", PAIRS, ids=[f"{a}-on-{m}" for a, m in PAIRS])
 def test_packed_step_equals_trl_on_the_gpu(tmp_path, attention, model_attention, checkpointing):
+    packed_step_equals_trl(tmp_path, attention, model_attention, checkpointing)
+
+
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
+def test_packed_step_on_compiled_layers_equals_trl_on_the_gpu(tmp_path, attention):
+    """The packed step on decoder layers compiled by region (checkpointed as train() does) equals GRPOTrainer's on
+    eager layers; the compiled layers ran (their count of calls) in one graph each kind, no graph break."""
+    import torch._dynamo.utils as dynamo_utils
+
+    breaks = sum(dynamo_utils.counters["graph_break"].values())
+    packed_step_equals_trl(tmp_path, attention, "sdpa", "non-reentrant", compiled=True)
+    assert sum(dynamo_utils.counters["graph_break"].values()) == breaks
+
+
+def packed_step_equals_trl(tmp_path, attention, model_attention, checkpointing, compiled=False):
     trainer = gpu_trainer(tmp_path, attention, model_attention)
     if CHECKPOINTING[checkpointing] is not None:  # as train() turns it on
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING[checkpointing])
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
     with trainer.accelerator.autocast():
         theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
+        calls = []
+        if compiled:
+            trainer.backbone_layers = regional_compile.compile_layers(trainer.model)
+            for layer in trainer.backbone_layers:
+                impl = layer._compiled_call_impl
+                layer._compiled_call_impl = lambda *a, impl=impl, **k: calls.append(1) or impl(*a, **k)
         ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+        regional_compile.uncompile(trainer.backbone_layers or [])
+    assert bool(calls) == compiled
     assert trainer.packing_refused == ""
     assert trainer.packed_attention == (None if attention == model_attention else attention)
     torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=1e-3)
@@ -108,9 +139,9 @@ def word_tokenizer(size: int):
 
 @pytest.mark.parametrize("shape", list(QWEN_SHAPES))
 def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
-    """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing,
-    padding_free and packed_attention "auto": the 7B shape packs on FlexAttention), prompts of 4 and 60 tokens in
-    each micro-batch (left padding that packing removes)."""
+    """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing;
+    compile_backbone, padding_free and packed_attention "auto": compiled layers, packed on varlen FlashAttention),
+    prompts of 4 and 60 tokens in each micro-batch (left padding that packing removes)."""
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN_SHAPES[shape], vocab_size=QWEN_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     with torch.device("cuda"):
@@ -125,8 +156,10 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
                                   QWEN_VOCAB))  # fmt: skip
     trainer.train()
     assert trainer.model.is_gradient_checkpointing
+    assert trainer.compile_backbone and regional_compile.compiled(trainer.backbone_layers)
+    assert trainer.packed_attention == "varlen"
     logged = [e for e in trainer.state.log_history if "loss" in e and "padding_free/packed_fraction" in e]
     assert len(logged) == 3 and all(torch.isfinite(torch.tensor(e["loss"])) for e in logged)
     assert all(e["grad_norm"] > 0 for e in logged)
     packed = sum(e["padding_free/packed_fraction"] for e in logged) / 3
-    assert packed == (1.0 if shape == "7B" else 0.0), packed  # "auto" packs from hidden size 2048
+    assert packed == 1.0, packed  # "auto" packs on varlen over compiled layers at every size
