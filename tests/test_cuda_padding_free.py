@@ -8,6 +8,9 @@ shapes, checkpointing on."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 from datasets import Dataset
@@ -23,6 +26,7 @@ from compiled_grpo.integrations.trl import (
     padding_free,
     plan,
     regional_compile,
+    settle,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -163,3 +167,52 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
     assert all(e["grad_norm"] > 0 for e in logged)
     packed = sum(e["padding_free/packed_fraction"] for e in logged) / 3
     assert packed == 1.0, packed  # "auto" packs on varlen over compiled layers at every size
+
+
+@contextlib.contextmanager
+def counted_waits():
+    """The host's waits for the GPU inside the block (`torch.cuda.set_sync_debug_mode`), appended to the list it
+    gives when the block ends."""
+    waits = []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield waits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_a_packed_step_waits_once_for_its_plan_and_once_for_its_metrics(tmp_path):
+    """A generation batch of 3 micro-batches, packed on varlen, checkpointed: its plan reads back once (every
+    micro-batch's rows at advantage 0 and real lengths); each micro-batch's forward, loss and backward then wait for
+    nothing (the packing, its boundaries and targets come from the plan on the host); the metrics read back once,
+    when logged. Counted after a first pass (compiling and capturing wait)."""
+    trainer = gpu_trainer(tmp_path, "varlen")
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with_zeros = trainer.skip_reason is None
+
+    def generation_batch():
+        return [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch(seed).items()}
+                for seed in range(3)]  # fmt: skip
+
+    def step(batches):
+        for inputs in batches:
+            with trainer.accelerator.autocast():
+                trainer._compute_loss(trainer.model, inputs).backward()
+
+    warm = generation_batch()
+    plan.annotate(trainer, warm, with_zeros)
+    step(warm)
+    settle(trainer._metrics["train"])
+    batches = generation_batch()
+    with counted_waits() as planning:
+        plan.annotate(trainer, batches, with_zeros)
+    with counted_waits() as stepping:
+        step(batches)
+    with counted_waits() as logging:
+        settle(trainer._metrics["train"])
+    assert trainer._metrics["train"]["padding_free/packed_fraction"][-1] == 1.0
+    assert (len(planning), len(stepping), len(logging)) == (1, 0, 1), (planning, stepping, logging)
