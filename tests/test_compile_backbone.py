@@ -6,6 +6,7 @@ a layer that fails to compile runs eagerly, said once."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -27,9 +28,13 @@ def graphs() -> int:
 @pytest.mark.parametrize("padding", ["pack", "trim"])
 def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, padding):  # noqa: F811
     before = graphs()
-    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free=padding,
-                                   packed_attention="sdpa", skip_zero_advantage=False,
-                                   compile_backbone=True)  # fmt: skip
+    with pytest.warns(regional_compile.BackboneNotice) as notices:
+        losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free=padding,
+                                       packed_attention="sdpa", skip_zero_advantage=False,
+                                       compile_backbone=True)  # fmt: skip
+    said = [str(n.message) for n in notices if isinstance(n.message, regional_compile.BackboneNotice)]
+    assert len(said) == 2 and "2 Qwen2DecoderLayer layers compiled" in said[0], said  # each said once
+    assert re.search(r"the first forward on compiled layers took \d+\.\d s", said[1]), said
     assert regional_compile.compiled(trainer.backbone_layers) and len(trainer.backbone_layers) == 2
     assert graphs() > before or padding == "trim"  # "trim" reuses the graphs "pack" made (dynamic lengths)
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
