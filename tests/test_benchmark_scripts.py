@@ -222,3 +222,27 @@ def test_a_rows_compiled_layers_run_in_its_own_steps_only():
         step()
     assert seen == [[True, True], [False, False], [True, True], [False, False], [True, True], [True, True]]
     assert all(layer._compiled_call_impl is None for layer in layers)
+
+
+def test_the_liger_row_patches_liger_in_for_its_own_steps_only():
+    """Liger's kernels patched in as `train()` patches them (the model's RMSNorm and MLP forwards, the modeling
+    file's RoPE) inside the row's steps, and the shared model as it was after each."""
+    import sys
+
+    from benchmarks import trl_step
+
+    model, _, _ = trl_step.make_model("tiny", "cpu")
+    modeling = sys.modules[type(model).__module__]
+    rope, seen = modeling.apply_rotary_pos_emb, []
+
+    def look():
+        forwards = (model.model.norm.forward, model.model.layers[0].mlp.forward, modeling.apply_rotary_pos_emb)
+        seen.append([getattr(f, "__func__", f).__qualname__ for f in forwards])
+
+    liger = trl_step.with_liger_kernels(model, {"fused_linear_cross_entropy": False}, look)
+    plain = trl_step.with_own_layer_calls(model, look)
+    for step in (liger, plain, liger):
+        step()
+    assert seen[0] == seen[2] == ["LigerRMSNorm.forward", "LigerSwiGLUMLP.forward", "liger_rotary_pos_emb"], seen
+    assert seen[1] == ["Qwen2RMSNorm.forward", "Qwen2MLP.forward", "apply_rotary_pos_emb"], seen
+    assert "forward" not in vars(model.model.norm) and modeling.apply_rotary_pos_emb is rope
