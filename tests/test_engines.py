@@ -254,7 +254,7 @@ def shard_as(model, wrap: str, mesh, reshard: bool) -> None:
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
-def root_unit_worker(rank, world, reshard, wrap, result):
+def root_unit_worker(rank, world, reshard, wrap, result, compiled=False):
     """A tiny Qwen2 wrapped as `shard_as` says: CompiledGRPOTrainer's forward and fused loss
     (`completion_hidden_states`, `loss_within_head` given the model), two micro-batches accumulated, against one
     process on the whole batch."""
@@ -282,15 +282,19 @@ def root_unit_worker(rank, world, reshard, wrap, result):
 
             return loss_within_head(lm_head, compute, hidden, model).loss
 
-        sharded_against_one(lambda: tiny_qwen2(tie=False), loss_of, (rank, world), (wrap, reshard), result)
+        sharded_against_one(lambda: tiny_qwen2(tie=False), loss_of, (rank, world), (wrap, reshard), result, compiled)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def sharded_against_one(make, loss_of, ranks: tuple, sharding: tuple, result) -> None:
+def sharded_against_one(make, loss_of, ranks: tuple, sharding: tuple, result, compiled: bool = False) -> None:
     """Two micro-batches accumulated on `make()` in one process on the whole batch and on `make()` sharded as
-    `shard_as(*sharding)` over the ranks, each rank on its slice; rank 0 saves each parameter's relative error."""
+    `shard_as(*sharding)` over the ranks (its decoder layers then compiled by region where `compiled`, as the
+    trainer's `compile_backbone` compiles them after accelerate wrapped the model), each rank on its slice; rank 0
+    saves each parameter's relative error."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from compiled_grpo.integrations.trl import regional_compile
 
     rank, world = ranks
     one = make()
@@ -298,8 +302,12 @@ def sharded_against_one(make, loss_of, ranks: tuple, sharding: tuple, result) ->
         loss_of(one, slice(None), 1).backward()
     sharded = make()
     shard_as(sharded, sharding[0], init_device_mesh("cpu", (world,)), sharding[1])
+    if compiled:
+        assert len(regional_compile.compile_layers(sharded)) == len(sharded.model.layers)
     for _ in range(2):
         loss_of(sharded, slice(rank * B, (rank + 1) * B), world).backward()
+    if compiled:  # the compiled layers ran: dynamo made their graphs
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     theirs = dict(sharded.named_parameters())
     errors = {name: float((theirs[name].grad.full_tensor() - p.grad).abs().max() / p.grad.abs().max())
               for name, p in one.named_parameters()}  # fmt: skip
@@ -355,5 +363,14 @@ def head_swap_worker(rank, world, reshard, result):
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 def test_fsdp2_head_swap_in_the_root_unit_reduces_the_lm_head_gradient(tmp_path, reshard):
     spawn(head_swap_worker, 2, reshard, tmp_path / "errors.pt")
+    errors = torch.load(tmp_path / "errors.pt")
+    assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.compiled
+def test_fsdp2_units_on_compiled_layers_two_ranks_match_one_process(tmp_path):
+    """accelerate's TRANSFORMER_BASED_WRAP layout, the decoder layers (each an FSDP2 unit) compiled by region after
+    wrapping (Inductor on the CPU): the gradients of one eager process on the whole batch."""
+    spawn(root_unit_worker, 2, True, "accelerate", tmp_path / "errors.pt", True)
     errors = torch.load(tmp_path / "errors.pt")
     assert max(errors.values()) <= 1e-5, errors
