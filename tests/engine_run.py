@@ -37,13 +37,20 @@ RUNS = {
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}, {}, False),
     # packed forwards on another attention than the model's (dispatched per call), under gradient checkpointing
     "packed": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "eager"}, {}, False),
+    # the decoder layers compiled by region after the engine wrapped the model (Inductor on a CPU), packed
+    "backbone": (
+        CompiledGRPOTrainer,
+        {"compile_backbone": True, "padding_free": "pack", "packed_attention": "eager"},
+        {},
+        False,
+    ),  # fmt: skip
     "grpo-fp32-head": (GRPOTrainer, {}, {"cast_lm_head_to_fp32": True}, False),
     "fp32-head": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}, {"cast_lm_head_to_fp32": True}, False),
     "grpo-tied": (GRPOTrainer, {}, {}, True),
     "tied": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward", "schedule": "memory"}, {}, True),
 }
 REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo", "packed": "grpo",
-             "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
+             "backbone": "grpo", "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
 
 
 def on_gpu() -> bool:

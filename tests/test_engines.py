@@ -2,12 +2,12 @@
 
 DeepSpeed ZeRO-2 and ZeRO-3 run here on the CPU (gloo), launched by `accelerate launch` as users launch them: one
 process, and two with one rank's micro-batches wholly at advantage 0 in turn and completions of other lengths per
-rank. Each CompiledGRPOTrainer mode (default, both skip modes, the memory schedule, `cast_lm_head_to_fp32`, tied
-embeddings) trains 3 optimizer steps with the loss, gradient norm and entropy of GRPOTrainer under the same
-configuration (relative 1e-5; "all" logs the entropy of the sequences with a gradient only), and the head swap
-(`compiled_fused_head` under TRL's fused forward, as SFT runs it) and CompiledAsyncGRPOTrainer's loss give every
-parameter the gradient of the same model without the engine. ZeRO-3 shards every parameter here (persistence
-threshold 0), the lm_head included.
+rank. Each CompiledGRPOTrainer mode (default, both skip modes, the memory schedule, packed, packed on decoder layers
+compiled by region after the engine wrapped the model, `cast_lm_head_to_fp32`, tied embeddings) trains 3 optimizer
+steps with the loss, gradient norm and entropy of GRPOTrainer under the same configuration (relative 1e-5; "all"
+logs the entropy of the sequences with a gradient only), and the head swap (`compiled_fused_head` under TRL's fused
+forward, as SFT runs it) and CompiledAsyncGRPOTrainer's loss give every parameter the gradient of the same model
+without the engine. ZeRO-3 shards every parameter here (persistence threshold 0), the lm_head included.
 
 FSDP2's `fully_shard` runs on a gloo CPU mesh with torch's own API: the fused loss on an lm_head sharded in a unit
 of its own, over 2 processes, gives the gradients of one process on the whole batch; the weight read after the
@@ -39,7 +39,7 @@ HERE = Path(__file__).parent
 LOGGED = ("loss", "grad_norm", "entropy")
 # each CompiledGRPOTrainer run and the GRPOTrainer run it is held to (tests/engine_run.py)
 REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo", "packed": "grpo",
-             "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
+             "backbone": "grpo", "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
 
 ZERO = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto"}  # fmt: skip
