@@ -41,6 +41,18 @@ def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, paddin
     assert packed_share(trainer) == (1.0 if padding == "pack" else 0.0)
 
 
+def test_train_a_lora_adapter_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
+    """A PEFT model (LoRA on q and v inside each layer): its layers compiled by region with the adapters in them,
+    packed; the adapter's gradients are GRPOTrainer's at every step."""
+    pytest.importorskip("peft", reason="peft is in the test extras")
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, True, padding_free="pack",
+                                   packed_attention="sdpa", skip_zero_advantage=False,
+                                   compile_backbone=True)  # fmt: skip
+    assert regional_compile.compiled(trainer.backbone_layers) and len(trainer.backbone_layers) == 2
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root, True))
+    assert packed_share(trainer) == 1.0 and any("lora_" in name for name in grads[0])
+
+
 @contextlib.contextmanager
 def layers_compiled(trainer, must_run=True):
     """The trainer's decoder layers compiled inside the block; with `must_run`, their compiled calls must have run
