@@ -4,6 +4,7 @@ one run whose file the table names, and a test fails when README.md and those fi
 The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`), docs/benchmarks/trl-step/*.json
 (`python -m benchmarks.trl_step --model M --headline`, M = 0.5B, 1.5B, 7B, and with `--generation 2` for
 whole optimizer steps), docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`),
+docs/benchmarks/trl-step/backbone (`--generation 4 --batches tail`, gradient checkpointing on),
 docs/benchmarks/fp32-head/gpu.json
 (`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`), docs/benchmarks/verl/verl.json
 (`python -m benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json (`python -m benchmarks.sft_step`).
@@ -154,8 +155,9 @@ def padding_free_table(root: Path) -> list[str]:
         "**Padding-free steps** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches of 8 completions, "
         "their losses and backwards, AdamW; `tail`: long-tailed completion lengths with one truncated at the "
         "maximum, so GRPOTrainer pads every micro-batch to it; `tail-half0`: half the groups at advantage 0 too; "
-        '`dense`: every completion at the maximum. `padding_free="auto"` packs with FlexAttention at 7B and trims '
-        f"at 0.5B and 1.5B; {checkpointing(rows)}; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; "
+        '`dense`: every completion at the maximum. In these runs, on eager layers, `padding_free="auto"` packed with '
+        f"FlexAttention at 7B and trimmed at 0.5B and 1.5B; {checkpointing(rows)}; ms (peak GiB), speed-up over "
+        f"GRPOTrainer; {about(*runs)}; "
         "[the runs](docs/benchmarks/trl-step/padding-free/README.md)):"
     )
     lines = [caption, "", "| model, batch | " + " | ".join(PADDING_FREE_TRAINERS.values()) + " |",
@@ -163,6 +165,31 @@ def padding_free_table(root: Path) -> list[str]:
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = {r["method"]: r for r in rows if r["shape"] == shape}
         lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in PADDING_FREE_TRAINERS) + " |")
+    return lines
+
+
+BACKBONE_TRAINERS = {"grpo": "GRPOTrainer", "grpo-compiled-layers": "GRPOTrainer on compiled layers",
+                     "auto": "on eager layers (the earlier default)",
+                     "varlen-backbone": "compiled layers, packed on varlen FlashAttention (the default)"}  # fmt: skip
+
+
+def backbone_table(root: Path) -> list[str]:
+    """The default on a GPU (compiled layers, varlen packing) beside GRPOTrainer, checkpointed: one row per model."""
+    folder = root / "docs/benchmarks/trl-step/backbone"
+    runs = [load(p) for m in STEP_MODELS if (p := folder / f"trl-step-{m}-step4.json").exists()]
+    rows = [r for run in runs for r in run["rows"]]
+    caption = (
+        "**The step as `trainer.train()` runs it** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches "
+        "of 8 completions of `tail` lengths, their losses and backwards, AdamW; Qwen2.5 shapes, random bf16 weights; "
+        f"{checkpointing(rows)}; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; rerun: `python -m "
+        "benchmarks.trl_step --model M --generation 4 --sizes 8 --batches tail --trainers "
+        f"{','.join(BACKBONE_TRAINERS)}`; [the runs](docs/benchmarks/trl-step/backbone/README.md)):"
+    )
+    lines = [caption, "", "| model, batch | " + " | ".join(BACKBONE_TRAINERS.values()) + " |",
+             "|---|" + "---|" * len(BACKBONE_TRAINERS)]  # fmt: skip
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in BACKBONE_TRAINERS) + " |")
     return lines
 
 
@@ -184,6 +211,7 @@ def sft_table(root: Path) -> list[str]:
 def render(root: Path = ROOT) -> str:
     tables = [
         head_table(root),
+        backbone_table(root),
         step_table(root),
         padding_free_table(root),
         fp32_table(root),
