@@ -130,3 +130,28 @@ def fp32_head_product_ratio(hidden: torch.Tensor, weight: torch.Tensor, floor: f
     head = make_head(w, None, GRPOLossConfig(), torch.float32, split=True).with_whole_terms()  # the loss's own head
     split = products.gemm_product(x.float(), head)
     return max(1.0, relative_error(split, exact, floor) / max(float32_error, floor * 2.0**-24))
+
+
+def fp32_head_row_sum_ratio(x: dict, floor: float) -> float:
+    """How many times further from float64 each row's summed target log-probs are (the sum vespo's weight
+    exponentiates) under the fp32 head's logits product than under a float32 GEMM's (TF32 off), at least 1; the
+    log-softmax taken in float64 from each product, so that only the product differs. Where the split product's
+    errors lean one way along a row while a float32 GEMM's cancel, this exceeds `fp32_head_product_ratio`."""
+    hidden, weight = x["hidden"].detach(), x["weight"].detach()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if not products.splits(h, weight):
+        return 1.0
+    bias = x.get("bias")
+    bias = torch.zeros(weight.shape[0], dtype=torch.float64, device=h.device) if bias is None else bias.detach()
+    head = make_head(weight, None, GRPOLossConfig(), torch.float32, split=True).with_whole_terms()
+    products_by = {"exact": h.double() @ weight.double().T, "float32": h.float() @ weight.T,
+                   "split": products.gemm_product(h.float(), head)}  # fmt: skip
+    ids, mask = x["completion_ids"].reshape(-1, 1), x["completion_mask"].reshape(hidden.shape[:-1]).double()
+
+    def row_sums(product: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(product.double() + bias.double(), -1).gather(-1, ids).reshape(mask.shape)
+        return (logp * mask).sum(-1)
+
+    exact = row_sums(products_by["exact"])
+    errors = {k: float((row_sums(products_by[k]) - exact).abs().max()) for k in ("float32", "split")}
+    return max(1.0, errors["split"] / max(errors["float32"], floor * 2.0**-24))

@@ -225,6 +225,8 @@ def fp32_head_limits(cell: LossCell, settings: dict, x: dict, ref, ref_grads, re
         result.notes.append(f"{name}: " + ", ".join(f"{k} {v:.1e}" for k, v in picked.items()))
     ratio = harness.fp32_head_product_ratio(x["hidden"], x["weight"], tolerances.FLOOR)
     result.notes.append(f"the head's logits product: {ratio:.2f}x float32 GEMMs' error (the bounds' scale)")
+    row_ratio = harness.fp32_head_row_sum_ratio(x, tolerances.FLOOR)  # measured beside it, not yet a bound
+    result.notes.append(f"each row's summed target log-probs from it: {row_ratio:.2f}x float32 GEMMs' error")
     return {what: tolerances.fp32_head_bound(e, ratio) for what, e in errors["float32 GEMMs"].items()}
 
 

@@ -272,3 +272,15 @@ def test_audit_product_ratio_runs_the_split_product(monkeypatch):
     assert harness.fp32_head_product_ratio(x, w, 1e-30) == 1.0
     monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
     assert 1.0 <= harness.fp32_head_product_ratio(x, w, 1e-30) < 2.0
+
+
+def test_audit_row_sum_ratio_runs_the_split_product(monkeypatch):
+    """The audit's note beside the scale: each row's summed target log-probs under the head's product against float32
+    GEMMs' (1 where the products are float32 GEMMs; the split's exact float32 sums here stay near float32 GEMMs')."""
+    from audits import harness
+    from audits.loss_audit import QUICK, make_batch
+
+    x = make_batch(QUICK, torch.bfloat16, "cpu", weight_dtype=torch.float32)
+    assert harness.fp32_head_row_sum_ratio(x, 1e-30) == 1.0
+    monkeypatch.setattr(products, "SPLIT_ON_CPU", True)
+    assert 1.0 <= harness.fp32_head_row_sum_ratio(x, 1e-30) < 3.0
