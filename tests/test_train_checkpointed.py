@@ -288,3 +288,20 @@ def test_varlen_takes_this_torchs_keywords(monkeypatch):
     assert packed_attention.causal_options(None, grouped=True) == {"is_causal": True}
     with pytest.raises(ValueError, match="takes no sliding window"):
         packed_attention.causal_options(4096, grouped=True)
+
+
+@pytest.mark.skipif(packed_attention.varlen_attn is None, reason="this torch has no torch.nn.attention.varlen")
+def test_varlen_attention_compiles_once_for_every_packed_length():
+    """dynamo (dynamic shapes, as compiled layers run) makes one graph of the varlen call for packed rows of every
+    length and longest sequence: `max_length_q` is a symbolic int, not a guard. The kernel is CUDA's: on a CPU the
+    compiled call fails after compiling, which is all this counts."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounter()
+    attend = torch.compile(packed_attention.varlen_attention, backend=counter, dynamic=True)
+    for total, longest in ((40, 12), (50, 17), (61, 23), (33, 9)):
+        q, kv = torch.randn(1, 4, total, 16).bfloat16(), torch.randn(1, 2, total, 16).bfloat16()
+        bounds = torch.tensor([0, total - longest, total], dtype=torch.int32)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            attend(None, q, kv, kv, None, cu_seq_lens_q=bounds, max_length_q=longest, scaling=0.25)
+    assert counter.frame_count == 1
