@@ -254,3 +254,17 @@ def test_adaptive_entropy_controller_matches_trl(tmp_path):
         for name in m_t:
             assert m_o[name] == pytest.approx(m_t[name], rel=2e-5, abs=1e-7), name
     assert runs[1][1][2] == pytest.approx(0.05 + 2 * 0.02)  # raised twice: entropy stayed below the target
+
+
+def test_the_unwrapped_model_is_remembered_for_each_wrapper():
+    """accelerate's `unwrap_model` reads installed packages' metadata on every call (host time in every
+    micro-batch): the trainer asks it once per wrapper, and again for a new wrapper (train() wraps anew)."""
+    from types import SimpleNamespace
+
+    from compiled_grpo.integrations.trl.settings import unwrapped
+
+    calls = []
+    inner, wrappers = torch.nn.Linear(2, 2), [torch.nn.Sequential(), torch.nn.Sequential()]
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: calls.append(m) or inner))
+    assert [unwrapped(trainer, w) for w in (wrappers[0], wrappers[0], wrappers[1], wrappers[0])] == [inner] * 4
+    assert calls == wrappers

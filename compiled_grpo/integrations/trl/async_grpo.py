@@ -27,7 +27,7 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 from ...loss import FusedLinearGRPOLoss
 from . import async_zero_advantage, sharded_head, zero_advantage
 from .hidden_states import hidden_states_at_head
-from .settings import head_scaling, read_back
+from .settings import head_scaling, read_back, unwrapped
 
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
 
@@ -105,7 +105,7 @@ def packed_row_loss(trainer, model, inputs: dict) -> torch.Tensor:
     model_inputs, terms = unpack(inputs)
     if trainer.aux_loss_enabled:  # MoE: the forward returns the load-balancing loss
         model_inputs["output_router_logits"] = True
-    lm_head = trainer.accelerator.unwrap_model(model).get_output_embeddings()
+    lm_head = unwrapped(trainer, model).get_output_embeddings()
     forward_start = time.time()
     hidden, outputs = hidden_states_at_head(model, lm_head, model_inputs)
     hidden, terms, mask = with_second_row(model, lm_head, inputs, hidden[0], terms)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import packed_attention, zero_advantage
+from . import packed_attention, settings, zero_advantage
 from .hidden_states import hidden_states_at_head
 from .packing import PackedRows, can_pack, pack, targets
 from .plan import Lengths
@@ -232,8 +232,8 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     """(final hidden states, the model's outputs, the loss rows' packed targets or None): packed where the
     micro-batch can be (`packs`), else `padded(rows)` on its rows as given (trimmed where
     `lengths` is known), split by the row plan."""
-    unwrapped = trainer.accelerator.unwrap_model(model)
-    rows_forward = packed_ids_forward(model, unwrapped.get_output_embeddings(), trainer.packed_attention)
+    lm_head = settings.unwrapped(trainer, model).get_output_embeddings()
+    rows_forward = packed_ids_forward(model, lm_head, trainer.packed_attention)
     ids = model_inputs["input_ids"]
     packed = lengths is not None and packs(trainer, rows_forward, ids, lengths)
     if lengths is not None and model.training:

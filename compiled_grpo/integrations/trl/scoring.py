@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import packed_attention, padding_free
+from . import packed_attention, padding_free, settings
 from .packing import pack, targets
 from .plan import Lengths, real_spans
 
@@ -26,8 +26,8 @@ def per_token_logps(trainer, padded, model, input_ids, attention_mask, logits_to
     masks = (attention_mask[:, :P], attention_mask[:, P:])
     spans = real_spans({"prompt_mask": masks[0], "completion_mask": masks[1]}).cpu()
     lengths = Lengths(spans[:, 0], spans[:, 1], bool(spans[:, 2].all()), masks, ())
-    unwrapped = trainer.accelerator.unwrap_model(model)
-    forward = padding_free.packed_ids_forward(model, unwrapped.get_output_embeddings(), trainer.packed_attention)
+    lm_head = settings.unwrapped(trainer, model).get_output_embeddings()
+    forward = padding_free.packed_ids_forward(model, lm_head, trainer.packed_attention)
     if padding_free.packs(trainer, forward, input_ids, lengths):
         return packed_logps(trainer, model, input_ids, lengths, batch_size), None, None
     keep_p, keep_c = int(lengths.prompt.max()), max(int(lengths.completion.max()), 1)
@@ -48,7 +48,7 @@ def packed_logps(trainer, model, input_ids, lengths: Lengths, batch_size: int | 
         labels = torch.full_like(packed.input_ids, -100)
         labels[0, t.row_index] = completions[rows[0] : rows[-1] + 1].reshape(-1).index_select(0, t.flat)
         attention = trainer.packed_attention
-        kwargs = packed_attention.forward_kwargs(attention, packed, trainer.accelerator.unwrap_model(model).config)
+        kwargs = packed_attention.forward_kwargs(attention, packed, settings.unwrapped(trainer, model).config)
         with trainer.accelerator.autocast(), packed_attention.packed_masks(attention):
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, shift_labels=labels,
                         fused_lm_head=True, **kwargs)  # fmt: skip

@@ -25,6 +25,17 @@ def head_scaling(config) -> tuple[float, float | None]:
     return (1.0 if scale is None else float(scale)), getattr(text, "final_logit_softcapping", None)
 
 
+def unwrapped(trainer, model):
+    """`trainer.accelerator.unwrap_model(model)`, remembered for each wrapper: accelerate's unwrap reads installed
+    packages' metadata (is DeepSpeed there?) on every call, about 1.5 ms of host time, and a step asks twice per
+    micro-batch."""
+    cache = trainer.__dict__.setdefault("_compiled_grpo_unwrapped", {})
+    found = cache.get(id(model))
+    if found is None or found[0] is not model:  # a new wrapper (accelerate wraps the model again in train())
+        found = cache[id(model)] = (model, trainer.accelerator.unwrap_model(model))
+    return found[1]
+
+
 def loss_settings(trainer: GRPOTrainer) -> dict:
     args = trainer.args
     logit_scale, softcap = head_scaling(trainer.accelerator.unwrap_model(trainer.model).config)

@@ -16,7 +16,7 @@ from . import padding_free as real_tokens
 from . import plan as micro_batch_plan
 from .head import compiled_fused_head
 from .hidden_states import completion_hidden_states
-from .settings import captures_by_default, loss_settings, settle, trainer_budget
+from .settings import captures_by_default, loss_settings, settle, trainer_budget, unwrapped
 
 if trl.__version__ != "1.16.0":
     warnings.warn(
@@ -116,7 +116,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         }
         if self.aux_loss_enabled:
             model_inputs["output_router_logits"] = True
-        lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        lm_head = unwrapped(self, model).get_output_embeddings()
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         padded = lambda rows: completion_hidden_states(model, lm_head, rows, completion_ids.size(1))  # noqa: E731
         with self.accelerator.autocast():
