@@ -63,11 +63,8 @@ def say(message: str) -> None:
     warnings.warn(f"compiled_grpo: {message}", BackboneNotice, stacklevel=kernels.frames_to_caller())
 
 
-MODES = ("auto", True, False)
-
-
 def check_mode(compile_backbone) -> None:
-    if not any(compile_backbone is mode or compile_backbone == mode == "auto" for mode in MODES):
+    if not (compile_backbone is True or compile_backbone is False or compile_backbone == "auto"):  # not 1, not None
         raise TypeError(f"compile_backbone: expected 'auto', True or False, got {compile_backbone!r}")
 
 
