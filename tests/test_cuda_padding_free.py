@@ -40,14 +40,14 @@ def model_on_gpu(attention: str):
     return Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
 
 
-def gpu_trainer(tmp_path, attention: str, model_attention: str = "sdpa") -> CompiledGRPOTrainer:
+def gpu_trainer(tmp_path, attention: str, model_attention: str = "sdpa", skip=False) -> CompiledGRPOTrainer:
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
                       max_completion_length=C, bf16=True, report_to=[], save_strategy="no",
                       loss_type="dapo")  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a b c"] * B})
     trainer = CompiledGRPOTrainer(model=model_on_gpu(model_attention), reward_funcs=digit_reward, args=args,
                                   train_dataset=data, processing_class=tokenizer(), packed_attention=attention,
-                                  skip_zero_advantage=False, padding_free="pack")  # fmt: skip
+                                  skip_zero_advantage=skip, padding_free="pack")  # fmt: skip
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -185,17 +185,20 @@ def counted_waits():
     waits += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
-def test_a_packed_step_waits_once_for_its_plan_and_once_for_its_metrics(tmp_path):
-    """A generation batch of 3 micro-batches, packed on varlen, checkpointed: its plan reads back once (every
-    micro-batch's rows at advantage 0 and real lengths); each micro-batch's forward, loss and backward then wait for
-    nothing (the packing, its boundaries and targets come from the plan on the host); the metrics read back once,
-    when logged. Counted after a first pass (compiling and capturing wait)."""
-    trainer = gpu_trainer(tmp_path, "varlen")
+@pytest.mark.parametrize("skip", [False, "backward"])
+def test_a_packed_step_waits_once_for_its_plan_and_once_for_its_metrics(tmp_path, skip):
+    """A generation batch of 3 micro-batches, packed on varlen, checkpointed (with `skip`: two rows of each at
+    advantage 0, forwarded without grad): its plan reads back once (every micro-batch's rows at advantage 0 and real
+    lengths); each micro-batch's forward, loss and backward then wait for nothing (the packing, its boundaries,
+    targets and row plan come from the plan on the host); the metrics read back once, when logged. Counted after a
+    first pass (compiling and capturing wait)."""
+    trainer = gpu_trainer(tmp_path, "varlen", skip=skip)
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with_zeros = trainer.skip_reason is None
+    with_zeros, zeros = trainer.skip_reason is None, (1, 2) if skip else ()
+    assert with_zeros == bool(skip)
 
     def generation_batch():
-        return [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch(seed).items()}
+        return [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch(seed, zeros).items()}
                 for seed in range(3)]  # fmt: skip
 
     def step(batches):

@@ -75,7 +75,8 @@ def read(trainer, micro_batches: list[dict], with_zeros: bool) -> list[MicroBatc
     parts = [torch.cat(spans).reshape(-1)]
     if with_zeros:
         zeros = [is_zero(batch["advantages"]) for batch in micro_batches]
-        counts = torch.stack([torch.stack([z.sum(), torch.tensor(z.numel(), device=z.device)]) for z in zeros])
+        # each row count filled on the device: a copy from the host would wait
+        counts = torch.stack([torch.stack([z.sum(), torch.full((), z.numel(), device=z.device)]) for z in zeros])
         if trainer.accelerator.num_processes > 1:  # every rank must take the same branches
             counts = trainer.accelerator.gather(counts.reshape(1, -1)).reshape(-1, len(zeros), 2).transpose(0, 1)
         else:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ... import kernels
-from . import plan
+from . import packing, plan
 
 SKIP_MODES = ("auto", "backward", "all", False)
 # The smallest lm_head hidden size at which "auto" splits the forward (Qwen2.5-1.5B's is 1536, 0.5B's 896).
@@ -119,13 +119,13 @@ def plan_rows(trainer, inputs: dict, forward_untrained: bool) -> RowPlan | None:
         untrained = rows[:1]
     skipped_backward = float(counts[:, 0].sum()) - (0 if alone else float((counts[:, 0] == counts[:, 1]).sum()))
     share = skipped_backward / float(counts[:, 1].sum())
-    device = inputs["advantages"].device
-    kept = untrained.to(device) if forward_untrained and untrained.numel() else None
+    device = inputs["advantages"].device  # the rows copied there without a wait (a pageable copy would wait)
+    kept = packing.to_device(untrained, device) if forward_untrained and untrained.numel() else None
     sliced = not forward_untrained
     skipped_forward = 0.0 if forward_untrained else share
     host = (trained, untrained if kept is not None else None)
-    return RowPlan(trained.to(device), kept, stand_in, trained_stand_in, sliced, any_gradient, share, skipped_forward,
-                   host)  # fmt: skip
+    return RowPlan(packing.to_device(trained, device), kept, stand_in, trained_stand_in, sliced, any_gradient, share,
+                   skipped_forward, host)  # fmt: skip
 
 
 def rows_of(model_inputs: dict, rows: torch.Tensor) -> dict:
