@@ -117,19 +117,26 @@ def relative_error(a, b, floor: float) -> float:
     return float(diff.max() / max(float(b.abs().nan_to_num(0.0).max()), floor))
 
 
+def fp32_head_products(hidden: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The fp32 head's logits product x @ W.T in float64 ("exact"), by a float32 GEMM (TF32 off) and by the loss's
+    own head (its bf16 terms' sums: `compiled_grpo.products`); None where its products are float32 GEMMs (a CPU)."""
+    x, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
+    if not products.splits(x, w):
+        return None
+    head = make_head(w, None, GRPOLossConfig(), torch.float32, split=True).with_whole_terms()  # the loss's own head
+    split = products.gemm_product(x.float(), head)
+    return {"exact": x.double() @ w.double().T, "float32": x.float() @ w.T, "split": split}
+
+
 def fp32_head_product_ratio(hidden: torch.Tensor, weight: torch.Tensor, floor: float) -> float:
     """How many times further from float64 the fp32 head's logits product x @ W.T is than a float32 GEMM's (TF32
     off) on the same inputs, at least 1: exactly 1 where its products are float32 GEMMs (a CPU); on a GPU, that of
     its bf16 terms' tensor-core sums (`compiled_grpo.products`)."""
-    x = hidden.detach().reshape(-1, hidden.shape[-1])
-    w = weight.detach()
-    if not products.splits(x, w):
+    made = fp32_head_products(hidden, weight)
+    if made is None:
         return 1.0
-    exact = x.double() @ w.double().T
-    float32_error = relative_error(x.float() @ w.T, exact, floor)
-    head = make_head(w, None, GRPOLossConfig(), torch.float32, split=True).with_whole_terms()  # the loss's own head
-    split = products.gemm_product(x.float(), head)
-    return max(1.0, relative_error(split, exact, floor) / max(float32_error, floor * 2.0**-24))
+    float32_error = relative_error(made["float32"], made["exact"], floor)
+    return max(1.0, relative_error(made["split"], made["exact"], floor) / max(float32_error, floor * 2.0**-24))
 
 
 def fp32_head_row_sum_ratio(x: dict, floor: float) -> float:
@@ -138,14 +145,11 @@ def fp32_head_row_sum_ratio(x: dict, floor: float) -> float:
     log-softmax taken in float64 from each product, so that only the product differs. Where the split product's
     errors lean one way along a row while a float32 GEMM's cancel, this exceeds `fp32_head_product_ratio`."""
     hidden, weight = x["hidden"].detach(), x["weight"].detach()
-    h = hidden.reshape(-1, hidden.shape[-1])
-    if not products.splits(h, weight):
+    products_by = fp32_head_products(hidden, weight)
+    if products_by is None:
         return 1.0
     bias = x.get("bias")
-    bias = torch.zeros(weight.shape[0], dtype=torch.float64, device=h.device) if bias is None else bias.detach()
-    head = make_head(weight, None, GRPOLossConfig(), torch.float32, split=True).with_whole_terms()
-    products_by = {"exact": h.double() @ weight.double().T, "float32": h.float() @ weight.T,
-                   "split": products.gemm_product(h.float(), head)}  # fmt: skip
+    bias = torch.zeros(weight.shape[0], dtype=torch.float64, device=hidden.device) if bias is None else bias.detach()
     ids, mask = x["completion_ids"].reshape(-1, 1), x["completion_mask"].reshape(hidden.shape[:-1]).double()
 
     def row_sums(product: torch.Tensor) -> torch.Tensor:

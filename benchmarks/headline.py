@@ -111,6 +111,16 @@ def speedup_cell(mine: dict, name: str, base: str) -> str:
     return text
 
 
+def speedup_table(caption: str, rows: list[dict], trainers: dict) -> list[str]:
+    """`caption`, then a row per shape of `rows`: each of `trainers` (method: label) with its time, peak memory and
+    speed-up over GRPOTrainer."""
+    lines = [caption, "", "| model, batch | " + " | ".join(trainers.values()) + " |", "|---|" + "---|" * len(trainers)]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in trainers) + " |")
+    return lines
+
+
 def checkpointing(rows: list[dict]) -> str:
     """Whether the rows' steps ran with gradient checkpointing, which `trainer.train()` turns on by GRPOConfig's
     default (rows from before the benchmark recorded it ran without)."""
@@ -132,12 +142,7 @@ def step_table(root: Path) -> list[str]:
         f"**TRL's GRPO step** (`_compute_loss` + backward, the model included; {checkpointing(rows)}; ms (peak GiB), "
         f"speed-up over GRPOTrainer; {about(*runs)}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
     )
-    lines = [caption, "", "| model, batch | " + " | ".join(STEP_TRAINERS[t] for t in present) + " |",
-             "|---|" + "---|" * len(present)]  # fmt: skip
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        mine = {r["method"]: r for r in rows if r["shape"] == shape}
-        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in present) + " |")
-    return lines
+    return speedup_table(caption, rows, {t: STEP_TRAINERS[t] for t in present})
 
 
 # the run files that hold each model's padding-free rows as the default now runs them (docs/benchmarks/trl-step/
@@ -160,12 +165,7 @@ def padding_free_table(root: Path) -> list[str]:
         f"GRPOTrainer; {about(*runs)}; "
         "[the runs](docs/benchmarks/trl-step/padding-free/README.md)):"
     )
-    lines = [caption, "", "| model, batch | " + " | ".join(PADDING_FREE_TRAINERS.values()) + " |",
-             "|---|" + "---|" * len(PADDING_FREE_TRAINERS)]  # fmt: skip
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        mine = {r["method"]: r for r in rows if r["shape"] == shape}
-        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in PADDING_FREE_TRAINERS) + " |")
-    return lines
+    return speedup_table(caption, rows, PADDING_FREE_TRAINERS)
 
 
 BACKBONE_TRAINERS = {"grpo": "GRPOTrainer", "grpo-compiled-layers": "GRPOTrainer on compiled layers",
@@ -185,12 +185,7 @@ def backbone_table(root: Path) -> list[str]:
         "benchmarks.trl_step --model M --generation 4 --sizes 8 --batches tail --trainers "
         f"{','.join(BACKBONE_TRAINERS)}`; [the runs](docs/benchmarks/trl-step/backbone/README.md)):"
     )
-    lines = [caption, "", "| model, batch | " + " | ".join(BACKBONE_TRAINERS.values()) + " |",
-             "|---|" + "---|" * len(BACKBONE_TRAINERS)]  # fmt: skip
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        mine = {r["method"]: r for r in rows if r["shape"] == shape}
-        lines.append(f"| {shape} | " + " | ".join(speedup_cell(mine, t, "grpo") for t in BACKBONE_TRAINERS) + " |")
-    return lines
+    return speedup_table(caption, rows, BACKBONE_TRAINERS)
 
 
 def sft_table(root: Path) -> list[str]:

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
+from test_compile_backbone import layers_compiled
 from test_integration_trl import VOCAB, digit_reward, loss_and_grads, tokenizer
 from test_padding_free import COMPLETIONS, PROMPTS, B, C, varied_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -82,15 +83,8 @@ def packed_step_equals_trl(tmp_path, attention, model_attention, checkpointing, 
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
     with trainer.accelerator.autocast():
         theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
-        calls = []
-        if compiled:
-            trainer.backbone_layers = regional_compile.compile_layers(trainer.model)
-            for layer in trainer.backbone_layers:
-                impl = layer._compiled_call_impl
-                layer._compiled_call_impl = lambda *a, impl=impl, **k: calls.append(1) or impl(*a, **k)
-        ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
-        regional_compile.uncompile(trainer.backbone_layers or [])
-    assert bool(calls) == compiled
+        with layers_compiled(trainer) if compiled else contextlib.nullcontext():  # asserts the compiled calls ran
+            ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
     assert trainer.packing_refused == ""
     assert trainer.packed_attention == (None if attention == model_attention else attention)
     torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=1e-3)

@@ -64,14 +64,15 @@ def configure(trainer, mode, attention, bucket: int) -> None:
     whether the model can pack (None: not checked yet; "": it can; else why not)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     device = trainer.accelerator.device
-    trainer.packed_attention = attention_for(attention, model, device, sixteen_bit(trainer, model))
+    in_16_bits = sixteen_bit(trainer, model)
+    trainer.packed_attention = attention_for(attention, model, device, in_16_bits)
     compiled_varlen = trainer.packed_attention == packed_attention.VARLEN and trainer.compile_backbone
     hidden = model.config.get_text_config().hidden_size
     trainer.padding_free_mode = effective_mode(mode, hidden, device, compiled_varlen)
     trainer.packed_bucket = bucket
     trainer.packing_refused = None
     if trainer.padding_free_mode == "pack":
-        why_not = packed_attention.runs_on(trainer.packed_attention, device, sixteen_bit(trainer, model))
+        why_not = packed_attention.runs_on(trainer.packed_attention, device, in_16_bits)
         if why_not:
             raise ValueError(f"packed_attention={trainer.packed_attention!r}: {why_not}")
         if trainer.packed_attention is not None:

@@ -69,8 +69,8 @@ def check_mode(compile_backbone) -> None:
 
 
 def configure(trainer, compile_backbone) -> None:
-    """The trainer's choice (`effective_mode`), nothing compiled yet (`compile_trainer_backbone` does it)."""
-    check_mode(compile_backbone)
+    """The trainer's choice (`effective_mode`; `check_mode` checked it before), nothing compiled yet
+    (`compile_trainer_backbone` does it)."""
     trainer.compile_backbone = effective_mode(compile_backbone, trainer.accelerator.device, trainer.shards_parameters)
     trainer.backbone_layers, trainer.backbone_timed = None, False
 
