@@ -29,8 +29,12 @@ class Packing:
     identity: bool = False
 
     @classmethod
-    def of(cls, segment_ids: torch.Tensor, num_sequences: int | None, row_index: torch.Tensor | None) -> Packing:
-        """The layout of M targets; two waits on the GPU (the number of sequences and the longest)."""
+    def of(cls, segment_ids: torch.Tensor, num_sequences: int | None, row_index: torch.Tensor | None,
+           device=None) -> Packing:  # fmt: skip
+        """The layout of M targets, its tensors on `device` (default: segment_ids'). Found where segment_ids are:
+        on the GPU, two waits (the number of sequences and the longest); given on the host, none (the layout is
+        made there and copied over from pinned memory)."""
+        device = segment_ids.device if device is None else torch.device(device)
         segment_ids = segment_ids.long()
         m = segment_ids.numel()
         sequences = int(segment_ids.max()) + 1 if num_sequences is None and m else int(num_sequences or 0)
@@ -44,9 +48,9 @@ class Packing:
         length = max(length, 2)
         rank = torch.empty_like(segment_ids)
         rank[order] = torch.arange(m, device=segment_ids.device) - starts[segment_ids[order]]
-        position = segment_ids * length + rank
-        rows = torch.zeros(sequences * length, dtype=torch.long, device=segment_ids.device)
-        source = torch.arange(m, device=segment_ids.device) if row_index is None else row_index.long()
+        position = to_device(segment_ids * length + rank, device)
+        rows = torch.zeros(sequences * length, dtype=torch.long, device=device)
+        source = torch.arange(m, device=device) if row_index is None else to_device(row_index.long(), device)
         rows[position] = source
         identity = row_index is None and bool(in_order) and shortest == length and sequences * length == m
         return cls(sequences, length, position, rows, identity)
@@ -63,7 +67,8 @@ class Packing:
 
 def lay_out(inputs, packed: tuple, validate: bool):
     """(inputs in the padded layout, their Packing or None) of a call; `packed` = (segment_ids, num_sequences,
-    row_index), all None for a padded call. Checks a packed call's shapes, and its values when `validate`."""
+    row_index), all None for a padded call. Checks a packed call's shapes, and its values when `validate` (a wait
+    on the GPU for segment_ids or row_index there; none for those given on the host)."""
     segment_ids, num_sequences, row_index = packed
     if segment_ids is None:
         if num_sequences is not None or row_index is not None:
@@ -73,6 +78,15 @@ def lay_out(inputs, packed: tuple, validate: bool):
     if validate:
         sequences = int(segment_ids.max()) + 1 if num_sequences is None and segment_ids.numel() else num_sequences
         validation.check_packed_values(segment_ids, row_index, inputs.hidden.shape[0], sequences or 0)
-    packing = Packing.of(segment_ids, num_sequences, row_index)
+    packing = Packing.of(segment_ids, num_sequences, row_index, inputs.hidden.device)
     validation.check_per_sequence(inputs, packing)
     return inputs.unpacked(packing), packing
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` without a wait: a host tensor copied to a GPU from pinned memory (a copy from pageable
+    memory first waits for every kernel queued before it)."""
+    device = torch.device(device)
+    if tensor.device == device or tensor.device.type != "cpu" or device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

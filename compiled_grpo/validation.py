@@ -167,6 +167,9 @@ def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:
         x = segment_ids if name == "segment_ids" else getattr(inputs, name)
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape != (M,)):
             _fail(name, f"a packed call expects [{M}] (one per target), got {getattr(x, 'shape', type(x))}")
+    for name, x in (("segment_ids", segment_ids), ("row_index", row_index)):
+        if isinstance(x, torch.Tensor) and x.device not in (hidden.device, torch.device("cpu")):
+            _fail(name, f"expected on hidden's device ({hidden.device}) or the host, got {x.device}")
     if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
         _fail("segment_ids", f"expected an integer dtype, got {segment_ids.dtype}", TypeError)
     if row_index is None and hidden.shape[0] != M:
@@ -184,15 +187,19 @@ def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:
 
 
 def check_packed_values(segment_ids, row_index, rows: int, sequences: int) -> None:
-    """Host-syncing checks (one wait): sequence ids in [0, num_sequences), rows of hidden in range."""
-    bounds = [x for x in (segment_ids, row_index) if x is not None and x.numel()]
-    if not bounds:
-        return
-    values = torch.stack([v for x in bounds for v in (x.min(), x.max())]).tolist()
-    if segment_ids.numel() and (values[0] < 0 or values[1] >= sequences):
-        _fail("segment_ids", f"values must lie in [0, num_sequences={sequences})")
-    if row_index is not None and row_index.numel() and (values[-2] < 0 or values[-1] >= rows):
-        _fail("row_index", f"values must lie in [0, {rows}) (rows of hidden)")
+    """Host-syncing checks: sequence ids in [0, num_sequences), rows of hidden in range; one wait for those on a
+    GPU, none for those given on the host."""
+    limits = {"segment_ids": (segment_ids, sequences, "num_sequences={}"), "row_index": (row_index, rows, "{}")}
+    given = {name: x for name, (x, _, _) in limits.items() if x is not None and x.numel()}
+    read = {}
+    for device in {x.device for x in given.values()}:  # each device's bounds read back at once
+        names = [name for name, x in given.items() if x.device == device]
+        values = torch.stack([v for name in names for v in (given[name].min(), given[name].max())]).tolist()
+        read.update({name: values[2 * i : 2 * i + 2] for i, name in enumerate(names)})
+    for name, (low, high) in read.items():
+        limit, shown = limits[name][1], limits[name][2].format(limits[name][1])
+        if low < 0 or high >= limit:
+            _fail(name, f"values must lie in [0, {shown})" + (" (rows of hidden)" if name == "row_index" else ""))
 
 
 def check_per_sequence(inputs, packing) -> None:

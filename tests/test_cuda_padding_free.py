@@ -8,7 +8,9 @@ shapes, checkpointing on."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import traceback
 import warnings
 
 import pytest
@@ -166,26 +168,39 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
 @contextlib.contextmanager
 def counted_waits():
     """The host's waits for the GPU inside the block (`torch.cuda.set_sync_debug_mode`), appended to the list it
-    gives when the block ends."""
+    gives when the block ends: each as the line of the project's, TRL's or transformers' code that waited (the
+    innermost such frame), so that a failure names the places."""
     waits = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing" not in str(message):  # not the mode's own "prototype feature" notice
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in WAIT_SOURCES)]
+        waits.append(f"{ours[-1].filename}:{ours[-1].lineno} {ours[-1].line}" if ours else str(message))
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield waits
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    waits += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+WAIT_SOURCES = ("compiled_grpo", "/trl/", "/transformers/", "/accelerate/", "tests/")
 
 
 @pytest.mark.parametrize("skip", [False, "backward"])
 def test_a_packed_step_waits_once_for_its_plan_and_once_for_its_metrics(tmp_path, skip):
     """A generation batch of 3 micro-batches, packed on varlen, checkpointed (with `skip`: two rows of each at
     advantage 0, forwarded without grad): its plan reads back once (every micro-batch's rows at advantage 0 and real
-    lengths); each micro-batch's forward, loss and backward then wait for nothing (the packing, its boundaries,
-    targets and row plan come from the plan on the host); the metrics read back once, when logged. Counted after a
-    first pass (compiling and capturing wait)."""
+    lengths); each micro-batch then waits once, for its loss's tile plan (the count of its tokens, the value checks'
+    flags read with it), and with rows at advantage 0 once more, for the sparse gradient pass's count of tokens with
+    a gradient; nothing else (the packing, its boundaries, the loss's packed layout and the row plan come from the
+    plan on the host); the metrics read back once, when logged. Counted after a first pass (compiling and capturing
+    wait)."""
     trainer = gpu_trainer(tmp_path, "varlen", skip=skip)
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with_zeros, zeros = trainer.skip_reason is None, (1, 2) if skip else ()
@@ -212,4 +227,8 @@ def test_a_packed_step_waits_once_for_its_plan_and_once_for_its_metrics(tmp_path
     with counted_waits() as logging:
         settle(trainer._metrics["train"])
     assert trainer._metrics["train"]["padding_free/packed_fraction"][-1] == 1.0
-    assert (len(planning), len(stepping), len(logging)) == (1, 0, 1), (planning, stepping, logging)
+    counted = {"planning": planning, "stepping": stepping, "logging": logging}
+    where = "\n".join(f"{k}: {n} x {place}" for k, v in counted.items() for place, n in collections.Counter(v).items())
+    waits_in = collections.Counter(place.split(":")[0].rsplit("/", 1)[-1] for place in stepping)
+    expected = {"tiling.py": 3, **({"sparse_gradients.py": 3} if skip else {})}
+    assert (len(planning), dict(waits_in), len(logging)) == (1, expected, 1), where

@@ -154,6 +154,8 @@ def test_packed_inputs_name_the_argument():
     bad("segment_ids", num_sequences=1)  # sequence ids beyond num_sequences
     bad("advantages", advantages=torch.zeros(M + 1, dtype=torch.float64))
     bad("row_index", row_index=torch.full((M,), 10**6))
+    bad("row_index", row_index=torch.full((M,), -1))
+    bad("segment_ids", segment_ids=p["segment_ids"].to("meta"))  # neither hidden's device nor the host
     bad("old_per_token_logps", old_per_token_logps=p["old_per_token_logps"][:-2])
     with pytest.raises(ValueError, match="segment_ids"):
         x = make_inputs(seed=24, dtype=torch.float64)

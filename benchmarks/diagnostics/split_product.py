@@ -115,11 +115,15 @@ def gemms(method: str, a: torch.Tensor, b: torch.Tensor, a_exact: bool):
     return split_gemms(a, b, int(method[-1]), method.startswith("concat"), a_exact)
 
 
-def errors(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
-    """(max, rms) of got - exact, relative to exact's rms."""
+def errors(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float, float]:
+    """(max, rms) of got - exact, relative to exact's rms, and the errors' lean: the mean of the error along the
+    product's sign over the error's rms, from -1 (every entry pulled toward zero: a truncating sum) through 0
+    (round-to-nearest errors, which cancel in a sum of many) to 1."""
     scale = exact.square().mean().sqrt()
     diff = got.double() - exact
-    return float(diff.abs().max() / scale), float(diff.square().mean().sqrt() / scale)
+    rms = diff.square().mean().sqrt()
+    lean = (diff * exact.sign()).mean() / rms.clamp(min=1e-300)
+    return float(diff.abs().max() / scale), float(rms / scale), float(lean)
 
 
 def timed_ms(fn, repeats: int) -> float | None:
@@ -157,10 +161,10 @@ def measure(tokens: int, vocab: int, hidden: int, repeats: int, device, methods=
         for method in methods:
             run = gemms(method, a, b, exact_a)
             got = run()
-            worst, rms = errors(got, exact)
+            worst, rms, lean = errors(got, exact)
             ms = timed_ms(run, repeats)
             rows.append({"hidden": hidden, "tokens": tokens, "vocab": vocab, "product": name, "method": method,
-                         "max_error": worst, "rms_error": rms, "ms": ms})  # fmt: skip
+                         "max_error": worst, "rms_error": rms, "lean": lean, "ms": ms})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
             del got, run
         del exact
@@ -172,14 +176,14 @@ def table(rows: list[dict]) -> str:
     for hidden in dict.fromkeys(r["hidden"] for r in rows):
         mine = [r for r in rows if r["hidden"] == hidden]
         lines += [f"### H{hidden}, {mine[0]['tokens']} tokens, V{mine[0]['vocab']}", "",
-                  "| method | " + " | ".join(f"{p} max / rms error, ms" for p in ("logits", "dX", "dW")) + " |",
+                  "| method | " + " | ".join(f"{p} max / rms error, lean, ms" for p in ("logits", "dX", "dW")) + " |",
                   "|---|---|---|---|"]  # fmt: skip
         for method in dict.fromkeys(r["method"] for r in mine):
             cells = []
             for name in ("logits", "dX", "dW"):
                 r = next(r for r in mine if r["product"] == name and r["method"] == method)
                 ms = "" if r["ms"] is None else f", {r['ms']:.1f}"
-                cells.append(f"{r['max_error']:.1e} / {r['rms_error']:.1e}{ms}")
+                cells.append(f"{r['max_error']:.1e} / {r['rms_error']:.1e}, {r.get('lean', float('nan')):+.2f}{ms}")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

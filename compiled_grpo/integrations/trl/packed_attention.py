@@ -32,6 +32,8 @@ import sys
 
 import torch
 
+from ...packing import to_device
+
 PACKED_KWARG = "compiled_grpo_packed_attention"
 VARLEN = "varlen"
 PREFIX = "compiled_grpo_over_"
@@ -188,8 +190,6 @@ def forward_kwargs(name: str | None, packed, config) -> dict:
         return {}
     if name != VARLEN:
         return {PACKED_KWARG: name}
-    from .packing import to_device
-
     bounds = to_device(packed.cu_seqlens, packed.input_ids.device)
     kwargs = {PACKED_KWARG: name, "cu_seq_lens_q": bounds, "max_length_q": packed.longest}
     return kwargs if config is None else {**kwargs, "attention_mask": no_masks(config)}

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...packing import to_device
 from .plan import Lengths
 
 PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
@@ -90,12 +91,14 @@ def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int) -
 
 class Targets(NamedTuple):
     """The loss's packed call over some rows (the loss rows, S of them): for each of M targets, its index in the
-    rows' [S, C] per-token tensors, its sequence (0..S-1) and the hidden row that predicts it."""
+    rows' [S, C] per-token tensors, its sequence (0..S-1) and the hidden row that predicts it, on the device; the
+    last two also on the host, where the loss finds its packed layout without a wait."""
 
     flat: torch.Tensor
     segment_ids: torch.Tensor
     row_index: torch.Tensor
     sequences: int
+    on_host: tuple[torch.Tensor, torch.Tensor]  # (segment_ids, row_index)
 
 
 def targets(lengths: Lengths, rows: torch.Tensor, starts: torch.Tensor, width: int, device) -> Targets:
@@ -105,16 +108,9 @@ def targets(lengths: Lengths, rows: torch.Tensor, starts: torch.Tensor, width: i
     sequence = torch.repeat_interleave(torch.arange(len(rows)), completion)
     j = torch.arange(int(completion.sum())) - (torch.cumsum(completion, 0) - completion)[sequence]
     predicting = starts[sequence] + prompt[sequence] + j - 1
-    index = to_device(torch.stack([sequence * width + j, sequence, predicting]), device)
-    return Targets(index[0], index[1], index[2], len(rows))
-
-
-def to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device` without a wait: copied from pinned memory on a GPU (a copy from pageable memory
-    first waits for every kernel queued before it)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    host = torch.stack([sequence * width + j, sequence, predicting])
+    index = to_device(host, device)
+    return Targets(index[0], index[1], index[2], len(rows), (host[1], host[2]))
 
 
 def per_target(inputs: dict, mask: torch.Tensor, t: Targets) -> dict:
@@ -130,4 +126,5 @@ def per_target(inputs: dict, mask: torch.Tensor, t: Targets) -> dict:
         if isinstance(value, torch.Tensor):
             per_token = value.dim() == 2 and value.shape[1] == mask.shape[1] and mask.shape[1] > 1
             out[key] = take(value) if per_token else value.reshape(-1)
-    return {**out, "segment_ids": t.segment_ids, "num_sequences": t.sequences, "row_index": t.row_index}
+    segment_ids, row_index = t.on_host  # the loss lays the targets out on the host: no wait on the GPU
+    return {**out, "segment_ids": segment_ids, "num_sequences": t.sequences, "row_index": row_index}
