@@ -124,6 +124,38 @@ def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monke
     torch._dynamo.reset()
 
 
+def test_a_layer_whose_backward_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
+    """A forward that compiles and a backward that does not: found in the forward (before any gradient exists), the
+    layers eager again, this micro-batch's loss and gradients TRL's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def failing_backward(graph, example_inputs):
+        raise RuntimeError("this backward cannot compile")
+
+    backend = aot_autograd(fw_compiler=lambda graph, inputs: make_boxed_func(graph.forward),
+                           bw_compiler=failing_backward)  # fmt: skip
+
+    def compile_failing(model):
+        layers = regional_compile.repeated_layers(model)
+        for layer in layers:
+            layer.compile(backend=backend, dynamic=True)
+        return layers
+
+    monkeypatch.setattr(regional_compile, "compile_layers", compile_failing)
+    torch._dynamo.reset()
+    trainer = trainer_for(tmp_path, loss_type="dapo")
+    inputs = with_logps(trainer, varied_batch(), 0.0)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
+    trainer.compile_backbone = True
+    regional_compile.compile_trainer_backbone(trainer)
+    with pytest.warns(regional_compile.BackboneNotice, match="backward cannot compile.*run eagerly from here"):
+        ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    assert not regional_compile.compiled(trainer.backbone_layers)
+    assert_same(ours, theirs)
+    torch._dynamo.reset()
+
+
 def test_generation_runs_on_eager_layers(tmp_path):
     trainer = trainer_for(tmp_path, loss_type="dapo")
     with layers_compiled(trainer, must_run=False):

@@ -112,14 +112,16 @@ def eager_layers(trainer):
 
 
 def forward_or_fall_back(trainer, forward):
-    """`forward()`, and where a compiled layer fails to compile in it, the layers eager again (said once, with the
-    reason) and `forward()` once more. The first compiled forward's time (mostly compiling) is said once."""
+    """`forward()`, and where a compiled layer fails to compile in it (its backward included:
+    `backward_compiled_with_forward`), the layers eager again (said once, with the reason) and `forward()` once more.
+    The first compiled forward's time (mostly compiling) is said once."""
     layers = getattr(trainer, "backbone_layers", None) or []
     if not compiled(layers):
         return forward()
     start = time.perf_counter()
     try:
-        result = forward()
+        with backward_compiled_with_forward():
+            result = forward()
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
             torch._dynamo.exc.TorchRuntimeError) as error:  # fmt: skip
         uncompile(layers)
@@ -132,6 +134,16 @@ def forward_or_fall_back(trainer, forward):
         trainer.backbone_timed = True
         say(
             f"compile_backbone: the first forward on compiled layers took {time.perf_counter() - start:.1f} s "
-            "(compiling; the backward compiles at its first run, and a new kind of call, e.g. without grad, once more)"
+            "(compiling, the backward with it; a new kind of call, e.g. without grad, compiles once more)"
         )
     return result
+
+
+def backward_compiled_with_forward():
+    """Inside the block a compiled layer's backward is compiled when its forward is (AOTAutograd otherwise compiles
+    it at the first backward, or, with dynamic shapes, with the forward but keeps a failure for the backward), so
+    that a backward that cannot compile fails in the forward, where the trainer falls back to eager layers, instead
+    of in the optimizer step's backward, where nothing can."""
+    if not hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):  # torch before it had the option
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
