@@ -2,8 +2,8 @@
 one run whose file the table names, and a test fails when README.md and those files disagree.
 
 The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`), docs/benchmarks/trl-step/*.json
-(`python -m benchmarks.trl_step --model M --headline`, M = 0.5B, 1.5B, 7B, and with `--generation 2` for
-whole optimizer steps), docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`),
+(`python -m benchmarks.trl_step --model M --headline` as it was before it timed 4-micro-batch steps with the
+padding-free batches and the peers: one micro-batch, and with `--generation 2`; M = 0.5B, 1.5B, 7B), docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`),
 docs/benchmarks/trl-step/backbone (`--generation 4 --batches tail`, gradient checkpointing on),
 docs/benchmarks/fp32-head/gpu.json
 (`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`), docs/benchmarks/verl/verl.json

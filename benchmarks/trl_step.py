@@ -19,7 +19,7 @@ micro-batch plus the same optimizer step.
 
     python -m benchmarks.trl_step --model 0.5B [--batches dense,q0.2,half0,zero75,both] [--sizes 8,16]
         [--trainers grpo,auto,skip-all] [--generation 2] [--repeats 5] [--out benchmark-results]
-    python -m benchmarks.trl_step --model 0.5B --headline   # docs/benchmarks/trl-step's run, per model
+    python -m benchmarks.trl_step --model 0.5B --headline   # README's step run, per model: 4-micro-batch steps
     python -m benchmarks.trl_step --report benchmark-results/trl-step-*.json [--out docs/benchmarks/trl-step]
 
 The first writes `trl-step-<model>.json` (`trl-step-<model>-step<N>.json` with `--generation`; row by row, so an
@@ -178,9 +178,11 @@ TRAINERS = {  # name: (trainer, its options)
     "auto-fp32": (CompiledGRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
-DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS}
+DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS, "generation": 0}
 # the headline run (docs/benchmarks/trl-step, README's step table): the defaults users get, against GRPOTrainer
-HEADLINE = {"batches": "dense,q0.2,half0,both", "sizes": "8", "trainers": "grpo,auto,skip-all"}
+# (whole optimizer steps, checkpointed as train() runs them, the padding-free batches and the peers a user would pick)
+HEADLINE = {"batches": "dense,both,tail,tail-half0", "sizes": "8", "generation": 4,
+            "trainers": "grpo,auto,skip-all,grpo-compiled-layers,grpo-liger"}  # fmt: skip
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
@@ -775,7 +777,9 @@ def main(argv=None):
     ap.add_argument("--trainers", default=None, help=f"of {list(TRAINERS)}; default {DEFAULT_TRAINERS}")
     ap.add_argument("--headline", action="store_true", help=f"the headline run's batches, sizes, trainers: {HEADLINE}")
     ap.add_argument("--repeats", type=int, default=9, help="rounds; each runs every method once")
-    ap.add_argument("--generation", type=int, default=0, help="time whole optimizer steps over this many micro-batches")
+    ap.add_argument("--generation", type=int, default=None,
+                    help="time whole optimizer steps over this many micro-batches (default 0: one micro-batch; the "
+                    "headline 4)")  # fmt: skip
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                     help="time the steps without gradient checkpointing (GRPOConfig's default, which train() turns "
                     "on, is on)")  # fmt: skip

@@ -193,11 +193,14 @@ def test_trl_step_headline_takes_its_batches_and_trainers_unless_given(monkeypat
     trl_step.main(["--model", "tiny", "--headline"])
     trl_step.main(["--model", "tiny", "--headline", "--trainers", "grpo"])
     trl_step.main(["--model", "tiny"])
-    assert [(a.batches, a.sizes, a.trainers) for a in seen] == [
-        (trl_step.HEADLINE["batches"], "8", trl_step.HEADLINE["trainers"]),
-        (trl_step.HEADLINE["batches"], "8", "grpo"),
-        (",".join(trl_step.BATCHES), "8,16", trl_step.DEFAULT_TRAINERS),
+    trl_step.main(["--model", "tiny", "--headline", "--generation", "2"])
+    assert [(a.batches, a.sizes, a.trainers, a.generation) for a in seen] == [
+        (trl_step.HEADLINE["batches"], "8", trl_step.HEADLINE["trainers"], 4),
+        (trl_step.HEADLINE["batches"], "8", "grpo", 4),
+        (",".join(trl_step.BATCHES), "8,16", trl_step.DEFAULT_TRAINERS, 0),
+        (trl_step.HEADLINE["batches"], "8", trl_step.HEADLINE["trainers"], 2),
     ]
+    assert "tail" in trl_step.HEADLINE["batches"] and "grpo-liger" in trl_step.HEADLINE["trainers"]
 
 
 def test_a_rows_compiled_layers_run_in_its_own_steps_only():
