@@ -1,13 +1,15 @@
 """README's performance tables, generated from the stored headline runs: every number in them comes from the
 one run whose file the table names, and a test fails when README.md and those files disagree.
 
-The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`), docs/benchmarks/trl-step/*.json
-(`python -m benchmarks.trl_step --model M --headline` as it was before it timed 4-micro-batch steps with the
-padding-free batches and the peers: one micro-batch, and with `--generation 2`; M = 0.5B, 1.5B, 7B), docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`),
-docs/benchmarks/trl-step/backbone (`--generation 4 --batches tail`, gradient checkpointing on),
-docs/benchmarks/fp32-head/gpu.json
-(`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`), docs/benchmarks/verl/verl.json
-(`python -m benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json (`python -m benchmarks.sft_step`).
+The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`); the step's, once stored,
+docs/benchmarks/trl-step/trl-step-M-step4.json (`python -m benchmarks.trl_step --model M --headline`, M = 0.5B,
+1.5B, 7B: 4-micro-batch steps, checkpointed, with the peers), and until then the earlier ones:
+docs/benchmarks/trl-step/trl-step-M.json and -step2 (the earlier headline: one micro-batch, and `--generation 2`),
+docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`) and
+docs/benchmarks/trl-step/backbone (`--generation 4 --batches tail`, gradient checkpointing on); then
+docs/benchmarks/fp32-head/gpu.json (`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`),
+docs/benchmarks/verl/verl.json (`python -m benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json
+(`python -m benchmarks.sft_step`).
 
     python -m benchmarks.headline          # rewrites the tables between README.md's markers
     python -m benchmarks.headline --check  # exits 1 when README.md's tables differ from the stored runs
@@ -188,6 +190,34 @@ def backbone_table(root: Path) -> list[str]:
     return speedup_table(caption, rows, BACKBONE_TRAINERS)
 
 
+# the headline step run (`trl_step --headline`: 4-micro-batch steps, checkpointed, four batches, the peers)
+TRAIN_STEP_TRAINERS = {"grpo": "GRPOTrainer", "grpo-compiled-layers": "GRPOTrainer on compiled layers",
+                       "grpo-liger": "GRPOTrainer with Liger's kernels", "auto": "CompiledGRPOTrainer (defaults)",
+                       "skip-all": "skip_zero_advantage='all'"}  # fmt: skip
+
+
+def train_step_runs(root: Path) -> list[dict] | None:
+    """The headline step runs, docs/benchmarks/trl-step/trl-step-<M>-step4.json for every model; None until all
+    three are stored (the tables of the earlier runs stand until then)."""
+    paths = [root / f"docs/benchmarks/trl-step/trl-step-{m}-step4.json" for m in STEP_MODELS]
+    return [load(p) for p in paths] if all(p.exists() for p in paths) else None
+
+
+def train_step_table(root: Path, runs: list[dict]) -> list[str]:
+    """The step as `trainer.train()` runs it, every batch of the headline run: one row per model and batch."""
+    rows = [r for run in runs for r in run["rows"]]
+    caption = (
+        "**The step as `trainer.train()` runs it** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches "
+        "of 8 completions after 64-token prompts, their losses and backwards, AdamW; Qwen2.5 shapes, random bf16 "
+        "weights; `dense`: 1024-token completions, `both`: q 0.2 with half the groups at advantage 0, `tail`: "
+        "long-tailed lengths with one at the maximum, `tail-half0`: both at once; "
+        f"{checkpointing(rows)}; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; rerun: `python -m "
+        "benchmarks.trl_step --model M --headline`; [the table](docs/benchmarks/trl-step/trl-step.md)):"
+    )
+    present = {t: label for t, label in TRAIN_STEP_TRAINERS.items() if any(r["method"] == t for r in rows)}
+    return speedup_table(caption, rows, present)
+
+
 def sft_table(root: Path) -> list[str]:
     runs = [load(p) for m in STEP_MODELS if (p := root / f"docs/benchmarks/sft-step/sft-step-{m}.json").exists()]
     rows = [r for run in runs for r in run["rows"]]
@@ -204,11 +234,12 @@ def sft_table(root: Path) -> list[str]:
 
 
 def render(root: Path = ROOT) -> str:
+    step_runs = train_step_runs(root)
+    steps = [train_step_table(root, step_runs)] if step_runs else [
+        backbone_table(root), step_table(root), padding_free_table(root)]  # fmt: skip
     tables = [
         head_table(root),
-        backbone_table(root),
-        step_table(root),
-        padding_free_table(root),
+        *steps,
         fp32_table(root),
         verl_table(root),
         sft_table(root),

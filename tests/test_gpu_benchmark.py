@@ -137,3 +137,27 @@ def test_a_tables_caption_names_its_runs_dates_and_notes():
     assert headline.about({"versions": versions}) == "gpu GPU; torch 2"
     with pytest.raises(ValueError, match="different versions"):
         headline.about(runs[0], {"versions": {**versions, "torch": "3"}})
+
+
+def test_the_headline_step_runs_make_one_step_table_once_all_three_are_stored(tmp_path):
+    """Until every model's `trl_step --headline` file is stored, the earlier step tables stand; then one table of
+    every model and batch replaces them, with each trainer's speed-up over GRPOTrainer."""
+    import json
+
+    from benchmarks import headline
+
+    assert headline.train_step_runs(tmp_path) is None
+    folder = tmp_path / "docs/benchmarks/trl-step"
+    folder.mkdir(parents=True)
+    versions = {"gpu": "H200", "torch": "2.11"}
+    for m in headline.STEP_MODELS:
+        rows = [{"shape": f"{m} tail x8 step/4", "method": t, "ms": ms, "peak_gib": 1.0, "gradient_checkpointing": True}
+                for t, ms in (("grpo", 600.0), ("grpo-liger", 500.0), ("auto", 300.0))]  # fmt: skip
+        (folder / f"trl-step-{m}-step4.json").write_text(json.dumps({"versions": versions, "rows": rows}))
+    runs = headline.train_step_runs(tmp_path)
+    table = headline.train_step_table(tmp_path, runs)
+    assert "gradient checkpointing on" in table[0] and "--headline" in table[0]
+    header = "| model, batch | GRPOTrainer | GRPOTrainer with Liger's kernels | CompiledGRPOTrainer (defaults) |"
+    assert table[2] == header
+    assert table[4] == "| 0.5B tail x8 step/4 | 600.0 (1.00) | 500.0 (1.00), 1.20x | 300.0 (1.00), 2.00x |"
+    assert len(table) == 4 + len(headline.STEP_MODELS)
