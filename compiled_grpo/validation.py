@@ -189,17 +189,16 @@ def check_packed(inputs, segment_ids, row_index, sequences: int | None) -> None:
 def check_packed_values(segment_ids, row_index, rows: int, sequences: int) -> None:
     """Host-syncing checks: sequence ids in [0, num_sequences), rows of hidden in range; one wait for those on a
     GPU, none for those given on the host."""
-    limits = {"segment_ids": (segment_ids, sequences, "num_sequences={}"), "row_index": (row_index, rows, "{}")}
-    given = {name: x for name, (x, _, _) in limits.items() if x is not None and x.numel()}
-    read = {}
-    for device in {x.device for x in given.values()}:  # each device's bounds read back at once
-        names = [name for name, x in given.items() if x.device == device]
-        values = torch.stack([v for name in names for v in (given[name].min(), given[name].max())]).tolist()
-        read.update({name: values[2 * i : 2 * i + 2] for i, name in enumerate(names)})
-    for name, (low, high) in read.items():
-        limit, shown = limits[name][1], limits[name][2].format(limits[name][1])
-        if low < 0 or high >= limit:
-            _fail(name, f"values must lie in [0, {shown})" + (" (rows of hidden)" if name == "row_index" else ""))
+    checks = {"segment_ids": (segment_ids, sequences, f"[0, num_sequences={sequences})"),
+              "row_index": (row_index, rows, f"[0, {rows}) (rows of hidden)")}  # fmt: skip
+    given = {name: check for name, check in checks.items() if check[0] is not None and check[0].numel()}
+    for device in {x.device for x, _, _ in given.values()}:  # each device's bounds read back at once
+        mine = {name: check for name, check in given.items() if check[0].device == device}
+        values = iter(torch.stack([v for x, _, _ in mine.values() for v in (x.min(), x.max())]).tolist())
+        for name, (_, limit, shown) in mine.items():
+            low, high = next(values), next(values)
+            if low < 0 or high >= limit:
+                _fail(name, f"values must lie in {shown}")
 
 
 def check_per_sequence(inputs, packing) -> None:

@@ -100,14 +100,14 @@ def test_fifty_micro_batches_of_random_lengths_add_a_bounded_number_of_graphs(tm
     assert counts[-1] - counts[3] <= 2, counts  # at most a graph for a shape kind first met late (a length of 1)
 
 
-def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
-    def failing_backend(graph, example_inputs):
-        raise RuntimeError("this backend cannot compile")
+def assert_falls_back_to_eager_layers(tmp_path, monkeypatch, backend, said: str) -> None:
+    """With the layers compiled by `backend`, which fails: the first step says `said`, runs the layers eagerly again
+    and gives TRL's loss and gradients."""
 
     def compile_failing(model):
         layers = regional_compile.repeated_layers(model)
         for layer in layers:
-            layer.compile(backend=failing_backend, dynamic=True)
+            layer.compile(backend=backend, dynamic=True)
         return layers
 
     monkeypatch.setattr(regional_compile, "compile_layers", compile_failing)
@@ -117,11 +117,18 @@ def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monke
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
     trainer.compile_backbone = True
     regional_compile.compile_trainer_backbone(trainer)
-    with pytest.warns(regional_compile.BackboneNotice, match="cannot compile.*run eagerly from here"):
+    with pytest.warns(regional_compile.BackboneNotice, match=said):
         ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
     assert not regional_compile.compiled(trainer.backbone_layers)
     assert_same(ours, theirs)
     torch._dynamo.reset()
+
+
+def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("this backend cannot compile")
+
+    assert_falls_back_to_eager_layers(tmp_path, monkeypatch, failing_backend, "cannot compile.*run eagerly from here")
 
 
 def test_a_layer_whose_backward_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
@@ -135,25 +142,7 @@ def test_a_layer_whose_backward_fails_to_compile_runs_eagerly_and_says_why(tmp_p
 
     backend = aot_autograd(fw_compiler=lambda graph, inputs: make_boxed_func(graph.forward),
                            bw_compiler=failing_backward)  # fmt: skip
-
-    def compile_failing(model):
-        layers = regional_compile.repeated_layers(model)
-        for layer in layers:
-            layer.compile(backend=backend, dynamic=True)
-        return layers
-
-    monkeypatch.setattr(regional_compile, "compile_layers", compile_failing)
-    torch._dynamo.reset()
-    trainer = trainer_for(tmp_path, loss_type="dapo")
-    inputs = with_logps(trainer, varied_batch(), 0.0)
-    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
-    trainer.compile_backbone = True
-    regional_compile.compile_trainer_backbone(trainer)
-    with pytest.warns(regional_compile.BackboneNotice, match="backward cannot compile.*run eagerly from here"):
-        ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
-    assert not regional_compile.compiled(trainer.backbone_layers)
-    assert_same(ours, theirs)
-    torch._dynamo.reset()
+    assert_falls_back_to_eager_layers(tmp_path, monkeypatch, backend, "backward cannot compile.*run eagerly from here")
 
 
 def test_generation_runs_on_eager_layers(tmp_path):

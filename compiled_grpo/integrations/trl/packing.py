@@ -91,11 +91,10 @@ def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int) -
 
 class Targets(NamedTuple):
     """The loss's packed call over some rows (the loss rows, S of them): for each of M targets, its index in the
-    rows' [S, C] per-token tensors, its sequence (0..S-1) and the hidden row that predicts it, on the device; the
-    last two also on the host, where the loss finds its packed layout without a wait."""
+    rows' [S, C] per-token tensors and the hidden row that predicts it, on the device; on the host, each target's
+    sequence (0..S-1) and its row again, where the loss finds its packed layout without a wait."""
 
     flat: torch.Tensor
-    segment_ids: torch.Tensor
     row_index: torch.Tensor
     sequences: int
     on_host: tuple[torch.Tensor, torch.Tensor]  # (segment_ids, row_index)
@@ -108,9 +107,8 @@ def targets(lengths: Lengths, rows: torch.Tensor, starts: torch.Tensor, width: i
     sequence = torch.repeat_interleave(torch.arange(len(rows)), completion)
     j = torch.arange(int(completion.sum())) - (torch.cumsum(completion, 0) - completion)[sequence]
     predicting = starts[sequence] + prompt[sequence] + j - 1
-    host = torch.stack([sequence * width + j, sequence, predicting])
-    index = to_device(host, device)
-    return Targets(index[0], index[1], index[2], len(rows), (host[1], host[2]))
+    index = to_device(torch.stack([sequence * width + j, predicting]), device)
+    return Targets(index[0], index[1], len(rows), (sequence, predicting))
 
 
 def per_target(inputs: dict, mask: torch.Tensor, t: Targets) -> dict:
