@@ -1,15 +1,11 @@
 """README's performance tables, generated from the stored headline runs: every number in them comes from the
 one run whose file the table names, and a test fails when README.md and those files disagree.
 
-The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`); the step's, once stored,
+The runs: docs/benchmarks/gpu.json (`python -m benchmarks.gpu --headline`); the step's,
 docs/benchmarks/trl-step/trl-step-M-step4.json (`python -m benchmarks.trl_step --model M --headline`, M = 0.5B,
-1.5B, 7B: 4-micro-batch steps, checkpointed, with the peers), and until then the earlier ones:
-docs/benchmarks/trl-step/trl-step-M.json and -step2 (the earlier headline: one micro-batch, and `--generation 2`),
-docs/benchmarks/trl-step/padding-free (`--generation 4 --batches tail,tail-half0,dense`) and
-docs/benchmarks/trl-step/backbone (`--generation 4 --batches tail`, gradient checkpointing on); then
-docs/benchmarks/fp32-head/gpu.json (`python -m benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`),
-docs/benchmarks/verl/verl.json (`python -m benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json
-(`python -m benchmarks.sft_step`).
+1.5B, 7B: 4-micro-batch steps, checkpointed, with the peers); docs/benchmarks/fp32-head/gpu.json (`python -m
+benchmarks.gpu --shapes H896-fp32,H3584-fp32,H4096-fp32`), docs/benchmarks/verl/verl.json (`python -m
+benchmarks.verl_head`) and docs/benchmarks/sft-step/*.json (`python -m benchmarks.sft_step`).
 
     python -m benchmarks.headline          # rewrites the tables between README.md's markers
     python -m benchmarks.headline --check  # exits 1 when README.md's tables differ from the stored runs
@@ -28,12 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "<!-- performance tables: written by `python -m benchmarks.headline` from docs/benchmarks; edit the runs -->"
 END = "<!-- end of the performance tables -->"
 STEP_MODELS = ("0.5B", "1.5B", "7B")
-STEP_TRAINERS = {  # the trainers the step table shows, as labelled there
-    "grpo": "GRPOTrainer",
-    "auto": "CompiledGRPOTrainer (defaults)",
-    "skip-all": "skip_zero_advantage='all'",
-    "rounded": "round_logits=True",
-}
 FP32_METHODS = {
     "floor: three lm_head GEMMs in float32": "float32 GEMMs alone",
     "TRL 1.16 fused head + loss, float32 GEMMs": "TRL 1.16, float32",
@@ -134,73 +124,15 @@ def checkpointing(rows: list[dict]) -> str:
     return "gradient checkpointing on except in the rows marked `no checkpointing`"
 
 
-def step_table(root: Path) -> list[str]:
-    folder = root / "docs/benchmarks/trl-step"
-    paths = [folder / f"trl-step-{m}{step}.json" for m in STEP_MODELS for step in ("", "-step2")]
-    runs = [load(p) for p in paths if p.exists()]
-    rows = [r for run in runs for r in run["rows"]]
-    present = [t for t in STEP_TRAINERS if any(r["method"] == t for r in rows)]
-    caption = (
-        f"**TRL's GRPO step** (`_compute_loss` + backward, the model included; {checkpointing(rows)}; ms (peak GiB), "
-        f"speed-up over GRPOTrainer; {about(*runs)}; [the table](docs/benchmarks/trl-step/trl-step.md)):"
-    )
-    return speedup_table(caption, rows, {t: STEP_TRAINERS[t] for t in present})
-
-
-# the run files that hold each model's padding-free rows as the default now runs them (docs/benchmarks/trl-step/
-# padding-free/README.md): packed with FlexAttention at 7B, trimmed at 0.5B and 1.5B
-PADDING_FREE_RUNS = {"0.5B": "first-rules/trl-step-0.5B-step4.json", "1.5B": "first-rules/trl-step-1.5B-step4.json",
-                     "7B": "trl-step-7B-step4.json"}  # fmt: skip
-PADDING_FREE_TRAINERS = {"grpo": "GRPOTrainer", "packed-flex": "packed, FlexAttention", "trim": "trimmed"}
-
-
-def padding_free_table(root: Path) -> list[str]:
-    folder = root / "docs/benchmarks/trl-step/padding-free"
-    runs = [load(folder / name) for name in PADDING_FREE_RUNS.values()]
-    rows = [r for run in runs for r in run["rows"]]
-    caption = (
-        "**Padding-free steps** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches of 8 completions, "
-        "their losses and backwards, AdamW; `tail`: long-tailed completion lengths with one truncated at the "
-        "maximum, so GRPOTrainer pads every micro-batch to it; `tail-half0`: half the groups at advantage 0 too; "
-        '`dense`: every completion at the maximum. In these runs, on eager layers, `padding_free="auto"` packed with '
-        f"FlexAttention at 7B and trimmed at 0.5B and 1.5B; {checkpointing(rows)}; ms (peak GiB), speed-up over "
-        f"GRPOTrainer; {about(*runs)}; "
-        "[the runs](docs/benchmarks/trl-step/padding-free/README.md)):"
-    )
-    return speedup_table(caption, rows, PADDING_FREE_TRAINERS)
-
-
-BACKBONE_TRAINERS = {"grpo": "GRPOTrainer", "grpo-compiled-layers": "GRPOTrainer on compiled layers",
-                     "auto": "on eager layers (the earlier default)",
-                     "varlen-backbone": "compiled layers, packed on varlen FlashAttention (the default)"}  # fmt: skip
-
-
-def backbone_table(root: Path) -> list[str]:
-    """The default on a GPU (compiled layers, varlen packing) beside GRPOTrainer, checkpointed: one row per model."""
-    folder = root / "docs/benchmarks/trl-step/backbone"
-    runs = [load(p) for m in STEP_MODELS if (p := folder / f"trl-step-{m}-step4.json").exists()]
-    rows = [r for run in runs for r in run["rows"]]
-    caption = (
-        "**The step as `trainer.train()` runs it** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches "
-        "of 8 completions of `tail` lengths, their losses and backwards, AdamW; Qwen2.5 shapes, random bf16 weights; "
-        f"{checkpointing(rows)}; ms (peak GiB), speed-up over GRPOTrainer; {about(*runs)}; rerun: `python -m "
-        "benchmarks.trl_step --model M --generation 4 --sizes 8 --batches tail --trainers "
-        f"{','.join(BACKBONE_TRAINERS)}`; [the runs](docs/benchmarks/trl-step/backbone/README.md)):"
-    )
-    return speedup_table(caption, rows, BACKBONE_TRAINERS)
-
-
 # the headline step run (`trl_step --headline`: 4-micro-batch steps, checkpointed, four batches, the peers)
 TRAIN_STEP_TRAINERS = {"grpo": "GRPOTrainer", "grpo-compiled-layers": "GRPOTrainer on compiled layers",
                        "grpo-liger": "GRPOTrainer with Liger's kernels", "auto": "CompiledGRPOTrainer (defaults)",
                        "skip-all": "skip_zero_advantage='all'"}  # fmt: skip
 
 
-def train_step_runs(root: Path) -> list[dict] | None:
-    """The headline step runs, docs/benchmarks/trl-step/trl-step-<M>-step4.json for every model; None until all
-    three are stored (the tables of the earlier runs stand until then)."""
-    paths = [root / f"docs/benchmarks/trl-step/trl-step-{m}-step4.json" for m in STEP_MODELS]
-    return [load(p) for p in paths] if all(p.exists() for p in paths) else None
+def train_step_runs(root: Path) -> list[dict]:
+    """The headline step runs, docs/benchmarks/trl-step/trl-step-<M>-step4.json for every model."""
+    return [load(root / f"docs/benchmarks/trl-step/trl-step-{m}-step4.json") for m in STEP_MODELS]
 
 
 def train_step_table(root: Path, runs: list[dict]) -> list[str]:
@@ -234,12 +166,9 @@ def sft_table(root: Path) -> list[str]:
 
 
 def render(root: Path = ROOT) -> str:
-    step_runs = train_step_runs(root)
-    steps = [train_step_table(root, step_runs)] if step_runs else [
-        backbone_table(root), step_table(root), padding_free_table(root)]  # fmt: skip
     tables = [
         head_table(root),
-        *steps,
+        train_step_table(root, train_step_runs(root)),
         fp32_table(root),
         verl_table(root),
         sft_table(root),

@@ -139,14 +139,13 @@ def test_a_tables_caption_names_its_runs_dates_and_notes():
         headline.about(runs[0], {"versions": {**versions, "torch": "3"}})
 
 
-def test_the_headline_step_runs_make_one_step_table_once_all_three_are_stored(tmp_path):
-    """Until every model's `trl_step --headline` file is stored, the earlier step tables stand; then one table of
-    every model and batch replaces them, with each trainer's speed-up over GRPOTrainer."""
+def test_the_headline_step_runs_make_one_step_table(tmp_path):
+    """Every model's `trl_step --headline` file makes one table of every model and batch, with each trainer's
+    speed-up over GRPOTrainer."""
     import json
 
     from benchmarks import headline
 
-    assert headline.train_step_runs(tmp_path) is None
     folder = tmp_path / "docs/benchmarks/trl-step"
     folder.mkdir(parents=True)
     versions = {"gpu": "H200", "torch": "2.11"}
