@@ -46,7 +46,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan, settle
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan, regional_compile, settle
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -479,10 +479,13 @@ MISSING = object()
 
 def trainer_step(t, batches: list):
     """`_compute_loss` + backward on the next of `batches`; then CompiledGRPOTrainer's metrics are read back as a
-    log after every step would (GRPOTrainer reads its own back inside `_compute_loss`)."""
+    log after every step would (GRPOTrainer reads its own back inside `_compute_loss`). CompiledGRPOTrainer's
+    layers are compiled (`compile_backbone`) at the first step, as `train()`'s first `_prepare_inputs` does."""
     turns = itertools.cycle(batches)
 
     def step():
+        if isinstance(t, CompiledGRPOTrainer):
+            regional_compile.compile_trainer_backbone(t)  # once; not called here, the layers would stay eager
         inputs = next(turns)
         with t.accelerator.autocast():
             loss = t._compute_loss(t.model, inputs)

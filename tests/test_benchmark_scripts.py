@@ -185,6 +185,25 @@ def test_trl_step_checkpoints_as_train_does(tmp_path):
     assert not model.is_gradient_checkpointing and not layer.gradient_checkpointing
 
 
+def test_one_micro_batch_steps_compile_the_trainers_layers_as_train_does(monkeypatch):
+    """A step of one micro-batch calls `_compute_loss` without `_prepare_inputs`, where `train()` compiles the
+    layers (`compile_backbone`): the benchmark's step compiles them first, or its rows would time eager layers."""
+    from benchmarks import trl_step
+    from compiled_grpo.integrations.trl import regional_compile
+
+    model, _, completion = trl_step.make_model("tiny", "cpu")
+    trainer = trl_step.make_trainer("trim-backbone", model, 8, 1.0, False, completion)
+
+    def stop(model, inputs):
+        raise RuntimeError("the loss was reached")
+
+    monkeypatch.setattr(trainer, "_compute_loss", stop)
+    with pytest.raises(RuntimeError, match="the loss was reached"):
+        trl_step.trainer_step(trainer, [{}])()
+    assert regional_compile.compiled(trainer.backbone_layers)
+    regional_compile.uncompile(trainer.backbone_layers)
+
+
 def test_trl_step_headline_takes_its_batches_and_trainers_unless_given(monkeypatch):
     from benchmarks import trl_step
 

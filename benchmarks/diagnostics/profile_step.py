@@ -5,8 +5,11 @@ read-back, the backward as a whole). Per method and step: wall time, GPU busy ti
 launched, and per phase the host's time in it and the GPU time of the kernels it launched.
 
     python -m benchmarks.diagnostics.profile_step --model 0.5B --batch dense --trainers grpo,auto,memory [--out DIR]
+        [--python]
 
-Writes `profile-step-<model>-<batch>.json` and prints a table.
+Writes `profile-step-<model>-<batch>.json` and prints a table; with `--python`, also each method's host time by
+Python function (cProfile over the same number of steps, without torch.profiler: the functions under
+`_compute_loss` that a profiler range does not name) in `python-profile-<model>-<batch>-<method>.txt`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from trl import GRPOTrainer
 from benchmarks import trl_step
 from benchmarks.diagnostics import profile_gpu
 from compiled_grpo import FusedLinearGRPOLoss, tiling
+from compiled_grpo.integrations.trl import packed_attention, packing, padding_free, zero_advantage
+from compiled_grpo.integrations.trl import plan as micro_batch_plan
 from compiled_grpo.integrations.trl import settings as trl_integration
 from compiled_grpo.schedules import recompute, speed, whole_forward
 
@@ -38,6 +43,17 @@ PHASES = (  # (owner, attribute, phase name)
     (speed.PrecomputedGradients, "backward", "head backward (library)"),
     (recompute.StatisticsThenRecompute, "backward", "head backward (library)"),
     (whole_forward.LossOfSlots, "backward", "head backward (library)"),
+    # the trainer's own host work around the model and the loss (`_compute_loss`, packed or trimmed)
+    (zero_advantage, "row_plan", "row plan (trainer)"),
+    (micro_batch_plan, "lengths", "micro-batch lengths (trainer)"),
+    (packing, "trimmed", "trim (trainer)"),
+    (padding_free, "pack", "pack the rows (trainer)"),
+    (padding_free, "targets", "packed targets (trainer)"),
+    (packed_attention, "forward_kwargs", "packed attention arguments (trainer)"),
+    (padding_free, "forward", "forward, packed or padded, the model's included (trainer)"),
+    (zero_advantage, "loss_rows", "loss rows (trainer)"),
+    (packing, "per_target", "per-target inputs (trainer)"),
+    (trl_step.CompiledGRPOTrainer, "_fused_loss", "fused loss call, the head's included (trainer)"),
 )
 MODEL_FORWARD, BACKWARD, STEP = "backbone forward", "backward (all)", "step"
 
@@ -97,6 +113,29 @@ def profile_method(step, model, steps: int, reset, warmups: int = 2) -> dict:
     return summarize(prof.events(), steps)
 
 
+def python_profile(step, steps: int, reset, warmups: int = 2) -> str:
+    """The host's time in `steps` steps by Python function (cProfile), sorted by cumulative time: where the host
+    time of a host-bound step goes, the waits on the GPU included (as time in the call that waits)."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(warmups):
+        step()
+        reset()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+        trl_step.sync(torch.cuda.is_available())
+        reset()
+    profiler.disable()
+    text = io.StringIO()
+    text.write(f"{steps} steps; cumulative seconds over all of them\n")
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(80)
+    return text.getvalue()
+
+
 def summarize(events, steps: int) -> dict:
     ranges = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("phase:")]
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("phase:")]
@@ -139,7 +178,10 @@ def main(argv=None):
     ap.add_argument("--trainers", default="grpo,auto,memory")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="benchmark-results")
+    ap.add_argument("--python", action="store_true", help="also each method's host time by Python function")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke test (--model tiny)
     model, vocab, completion = trl_step.make_model(args.model, device)
     reset = lambda: model.zero_grad(set_to_none=True)
@@ -150,15 +192,18 @@ def main(argv=None):
     results = {"bound": profile_method(bound, model, args.steps, reset, warmups)}
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, device == "cuda", completion)
-        step = with_backward_range(trl_step.trainer_step(trainer, batches))
+        own_layers = trl_step.with_own_layer_calls(model, trl_step.trainer_step(trainer, batches),
+                                                   trl_step.compiles_layers(name))  # fmt: skip
+        step = with_backward_range(own_layers)
         results[name] = profile_method(step, model, args.steps, reset, warmups)
+        if args.python:
+            text = python_profile(own_layers, args.steps, reset)
+            (out / f"python-profile-{args.model}-{args.batch}-{name}.txt").write_text(text)
         del trainer, step
         if device == "cuda":
             torch.cuda.empty_cache()
     print(f"{args.model} {args.batch} x{args.size}: per step, mean of {args.steps}")
     print_table(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"profile-step-{args.model}-{args.batch}.json").write_text(json.dumps(results, indent=1))
 
 
