@@ -337,8 +337,8 @@ def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
 
 
 def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> dict:
-    """{name: (median ms, peak GiB above the memory in use before), or why not} of each `steps[name]()`, after
-    `warmups` warm-ups.
+    """{name: (median ms, peak GiB above the memory in use before, GiB held between steps, every round's ms), or
+    why not} of each `steps[name]()`, after `warmups` warm-ups.
     The steps take turns, one each per round in a rotating order, so that drift of the host's speed (the small
     models' steps are bound by it) reaches every method alike."""
     names, failed, held = [], {}, {}
@@ -369,17 +369,18 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> di
             times[name].append((time.perf_counter() - start) * 1e3)
             reset()
     gc.unfreeze()
-    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset), held[name])
+    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset), held[name], times[name])
                 for name in names}  # fmt: skip
     return {**measured, **failed}
 
 
 def with_measurement(row: dict, measured) -> dict:
-    """`row` with what `timed` measured for its method: ms, peak_gib and held_gib, or the status it failed with."""
+    """`row` with what `timed` measured for its method: ms (the median), peak_gib, held_gib and ms_rounds (each
+    round's time: the spread), or the status it failed with."""
     if isinstance(measured, str):
         row["status"] = measured
     else:
-        row["ms"], row["peak_gib"], row["held_gib"] = measured
+        row["ms"], row["peak_gib"], row["held_gib"], row["ms_rounds"] = measured
     return row
 
 

@@ -168,7 +168,7 @@ def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(
     for name, shape, checkpointing in runs:
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert {r["method"] for r in rows} == {trl_step.BOUND, "grpo", "skip-all"}
-        assert all(r["shape"] == shape and r["ms"] > 0 for r in rows)
+        assert all(r["shape"] == shape and r["ms"] > 0 and r["ms_rounds"] == [r["ms"]] for r in rows)
         assert all(r["gradient_checkpointing"] is checkpointing for r in rows)
 
 
