@@ -172,6 +172,27 @@ def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(
         assert all(r["gradient_checkpointing"] is checkpointing for r in rows)
 
 
+def test_profile_step_names_the_trainers_parts_and_writes_python_profiles(tmp_path, monkeypatch):
+    """`profile_step` on a tiny model: each method's phases, the trainer's own parts among them, from the plans made
+    before timing (as the generation batch makes them in training: the masks read once, not in every step), and with
+    `--python` each method's host profile by function."""
+    import json
+
+    from benchmarks.diagnostics import profile_step
+    from compiled_grpo.integrations.trl import plan
+
+    reads, read = [], plan.read
+    monkeypatch.setattr(plan, "read", lambda *a, **k: reads.append(1) or read(*a, **k))
+    profile_step.main(["--model", "tiny", "--batch", "tail", "--trainers", "grpo,trim", "--steps", "1", "--python",
+                       "--out", str(tmp_path)])  # fmt: skip
+    assert len(reads) == 1  # the one CompiledGRPOTrainer's plans, made before its steps
+    phases = json.loads((tmp_path / "profile-step-tiny-tail.json").read_text())["trim"]["phases"]
+    assert "forward, packed or padded, the model's included (trainer)" in phases
+    for name in ("grpo", "trim"):
+        text = (tmp_path / f"python-profile-tiny-tail-{name}.txt").read_text()
+        assert "_compute_loss" in text and "cumulative" in text
+
+
 def test_trl_step_checkpoints_as_train_does(tmp_path):
     """The benchmark's trainers turn the model's gradient checkpointing on as `train()` does (GRPOConfig's default),
     with the config's kwargs, or off."""

@@ -192,6 +192,8 @@ def main(argv=None):
     results = {"bound": profile_method(bound, model, args.steps, reset, warmups)}
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, device == "cuda", completion)
+        if isinstance(trainer, trl_step.CompiledGRPOTrainer):  # the plans made with the generation batch in training
+            micro_batch_plan.annotate(trainer, batches, with_zeros=trainer.skip_reason is None)
         own_layers = trl_step.with_own_layer_calls(model, trl_step.trainer_step(trainer, batches),
                                                    trl_step.compiles_layers(name))  # fmt: skip
         step = with_backward_range(own_layers)
