@@ -176,6 +176,9 @@ TRAINERS = {  # name: (trainer, its options)
     "grpo-compiled-layers": (GRPOTrainer, {"compiled_layers": True}),
     "auto-compiled-layers": (CompiledGRPOTrainer, {"compiled_layers": True}),
     "auto-fp32": (CompiledGRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
+    # the default with its compiled layers' kernels launched from Inductor's C++ wrapper instead of Python (the host
+    # issues every kernel of the small models' steps)
+    "auto-cpp-wrapper": (CompiledGRPOTrainer, {"inductor": {"cpp_wrapper": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS, "generation": 0}
@@ -221,6 +224,7 @@ LABELS = {
     "rounded-captured": "CompiledGRPOTrainer auto, round_logits=True, captured calls",
     "grpo-fp32": "GRPOTrainer, cast_lm_head_to_fp32=True",
     "auto-fp32": "CompiledGRPOTrainer auto, cast_lm_head_to_fp32=True",
+    "auto-cpp-wrapper": "CompiledGRPOTrainer auto, layers compiled with Inductor's C++ wrapper",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
@@ -238,6 +242,7 @@ def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion
     options = dict(options or {})
     config = options.pop("config", {})
     options.pop("compiled_layers", None)  # applied around the row's steps (`with_own_layer_calls`)
+    options.pop("inductor", None)  # likewise (`with_inductor_config`)
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
@@ -442,6 +447,22 @@ def with_own_layer_calls(model, step, by_hand: bool = False):
     return run
 
 
+def inductor_options(name: str) -> dict:
+    """The Inductor config a row's steps compile under (e.g. `cpp_wrapper`), none for most rows."""
+    return (TRAINERS.get(name, (None, None))[1] or {}).get("inductor", {})
+
+
+def with_inductor_config(step, options: dict):
+    """`step` with Inductor's config patched to `options` while it runs, so that what compiles in it (the row's
+    own compiled layers: `with_own_layer_calls`) compiles so; the config as it was after it."""
+
+    def run():
+        with torch._inductor.config.patch(options):
+            step()
+
+    return run
+
+
 def with_liger_kernels(model, config: dict, step):
     """`step` on the model with Liger's kernels patched in as `trainer.train()` patches them (its RMSNorm, SwiGLU and
     RoPE, into the model's modules and its modeling file; `_apply_liger_kernel_to_instance`), and the model as it
@@ -579,9 +600,7 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
             zeros_read = any(t.skip_reason is None for t in compiled)
             plan.annotate(compiled[0], batches, with_zeros=zeros_read)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
-        steps.update({name: with_liger_kernels(model, t.args.liger_kernel_config, steps[name])
-                      for name, t in trainers.items() if t.args.use_liger_kernel})  # fmt: skip
-        steps = {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
+        steps = row_steps(model, steps, trainers)
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
         return f"{args.model} {kind} x{size}{checkpointing_label(checkpointing)}", steps, trainers
     count, optimizer = args.generation, setup["optimizer"]
@@ -593,10 +612,19 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
                 for name in names}  # fmt: skip
     steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
+    steps = row_steps(model, steps, trainers)
+    return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
+
+
+def row_steps(model, steps: dict, trainers: dict) -> dict:
+    """Each row's step with what is the row's own around it: Liger's kernels patched in, Inductor's config, and the
+    decoder layers' calls as the row compiled them (the model is shared by every row)."""
+    steps = dict(steps)
     steps.update({name: with_liger_kernels(model, t.args.liger_kernel_config, steps[name])
                   for name, t in trainers.items() if t.args.use_liger_kernel})  # fmt: skip
-    steps = {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
-    return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
+    steps.update({name: with_inductor_config(steps[name], inductor_options(name))
+                  for name in trainers if inductor_options(name)})  # fmt: skip
+    return {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
 
 
 def compiles_layers(name: str) -> bool:

@@ -267,6 +267,21 @@ def test_a_rows_compiled_layers_run_in_its_own_steps_only():
     assert all(layer._compiled_call_impl is None for layer in layers)
 
 
+def test_a_rows_inductor_config_holds_in_its_own_steps_only():
+    """The C++-wrapper row compiles its layers under `cpp_wrapper`; the config is as it was outside its steps."""
+    import torch
+
+    from benchmarks import trl_step
+
+    seen = []
+    look = lambda: seen.append(torch._inductor.config.cpp_wrapper)  # noqa: E731
+    before = torch._inductor.config.cpp_wrapper
+    trl_step.with_inductor_config(look, trl_step.inductor_options("auto-cpp-wrapper"))()
+    look()
+    assert seen == [True, before] and before is False
+    assert trl_step.inductor_options("auto") == {}
+
+
 def test_the_liger_row_patches_liger_in_for_its_own_steps_only():
     """Liger's kernels patched in as `train()` patches them (the model's RMSNorm and MLP forwards, the modeling
     file's RoPE) inside the row's steps, and the shared model as it was after each."""
