@@ -179,6 +179,9 @@ TRAINERS = {  # name: (trainer, its options)
     # the default with its compiled layers' kernels launched from Inductor's C++ wrapper instead of Python (the host
     # issues every kernel of the small models' steps)
     "auto-cpp-wrapper": (CompiledGRPOTrainer, {"inductor": {"cpp_wrapper": True}}),
+    # and with them replayed as CUDA graphs (what `mode="reduce-overhead"` sets; a graph per packed length, which the
+    # trainer rounds up to `packed_bucket`): one process of its own, as a failing replay ends the run
+    "auto-cudagraphs": (CompiledGRPOTrainer, {"inductor": {"triton.cudagraphs": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS, "generation": 0}
@@ -225,6 +228,7 @@ LABELS = {
     "grpo-fp32": "GRPOTrainer, cast_lm_head_to_fp32=True",
     "auto-fp32": "CompiledGRPOTrainer auto, cast_lm_head_to_fp32=True",
     "auto-cpp-wrapper": "CompiledGRPOTrainer auto, layers compiled with Inductor's C++ wrapper",
+    "auto-cudagraphs": "CompiledGRPOTrainer auto, layers compiled as CUDA graphs",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 

@@ -268,17 +268,18 @@ def test_a_rows_compiled_layers_run_in_its_own_steps_only():
 
 
 def test_a_rows_inductor_config_holds_in_its_own_steps_only():
-    """The C++-wrapper row compiles its layers under `cpp_wrapper`; the config is as it was outside its steps."""
+    """The C++-wrapper row compiles its layers under `cpp_wrapper`, the CUDA-graph row under `triton.cudagraphs`;
+    the config is as it was outside their steps."""
     import torch
 
     from benchmarks import trl_step
 
     seen = []
-    look = lambda: seen.append(torch._inductor.config.cpp_wrapper)  # noqa: E731
-    before = torch._inductor.config.cpp_wrapper
-    trl_step.with_inductor_config(look, trl_step.inductor_options("auto-cpp-wrapper"))()
+    look = lambda: seen.append((torch._inductor.config.cpp_wrapper, torch._inductor.config.triton.cudagraphs))  # noqa: E731
+    for name in ("auto-cpp-wrapper", "auto-cudagraphs"):
+        trl_step.with_inductor_config(look, trl_step.inductor_options(name))()
     look()
-    assert seen == [True, before] and before is False
+    assert seen == [(True, False), (False, True), (False, False)]
     assert trl_step.inductor_options("auto") == {}
 
 
