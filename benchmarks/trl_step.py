@@ -180,7 +180,8 @@ TRAINERS = {  # name: (trainer, its options)
     # issues every kernel of the small models' steps)
     "auto-cpp-wrapper": (CompiledGRPOTrainer, {"inductor": {"cpp_wrapper": True}}),
     # and with them replayed as CUDA graphs (what `mode="reduce-overhead"` sets; a graph per packed length, which the
-    # trainer rounds up to `packed_bucket`): one process of its own, as a failing replay ends the run
+    # trainer rounds up to `packed_bucket`); a warm-up that fails is reported in the row, a later failure ends the
+    # run, so it runs in a process of its own
     "auto-cudagraphs": (CompiledGRPOTrainer, {"inductor": {"triton.cudagraphs": True}}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
@@ -349,7 +350,8 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> di
     """{name: (median ms, peak GiB above the memory in use before, GiB held between steps, every round's ms), or
     why not} of each `steps[name]()`, after `warmups` warm-ups.
     The steps take turns, one each per round in a rotating order, so that drift of the host's speed (the small
-    models' steps are bound by it) reaches every method alike."""
+    models' steps are bound by it) reaches every method alike. A method whose warm-up fails is reported with its
+    error, and the others are timed."""
     names, failed, held = [], {}, {}
     for name, step in steps.items():
         try:
@@ -361,8 +363,8 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> di
             # what a method keeps between steps (a captured call's graphs and their memory pool), which the peak
             # above the memory in use before a step does not show
             held[name] = (torch.cuda.memory_allocated() - before) / 2**30 if on_gpu else None
-        except torch.OutOfMemoryError:
-            failed[name] = "out of memory"
+        except Exception as error:  # noqa: BLE001 - reported in the method's row, never dropped
+            failed[name] = "out of memory" if isinstance(error, torch.OutOfMemoryError) else failure(error)
             reset()
             if on_gpu:
                 torch.cuda.empty_cache()
@@ -381,6 +383,13 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> di
     measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset), held[name], times[name])
                 for name in names}  # fmt: skip
     return {**measured, **failed}
+
+
+def failure(error: Exception) -> str:
+    """A failed method's status: its error's type and first line."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    print(f"a method failed: {type(error).__name__}: {first}", flush=True)
+    return f"failed: {type(error).__name__}: {first[:200]}"
 
 
 def with_measurement(row: dict, measured) -> dict:

@@ -267,6 +267,18 @@ def test_a_rows_compiled_layers_run_in_its_own_steps_only():
     assert all(layer._compiled_call_impl is None for layer in layers)
 
 
+def test_a_method_that_fails_is_reported_and_the_others_timed():
+    from benchmarks import trl_step
+
+    def boom():
+        raise RuntimeError("replay overwritten\nmore")
+
+    measured = trl_step.timed({"ok": lambda: None, "bad": boom}, rounds=2, on_gpu=False, reset=lambda: None)
+    assert measured["bad"] == "failed: RuntimeError: replay overwritten"
+    assert len(measured["ok"][3]) == 2
+    assert trl_step.with_measurement({}, measured["bad"]) == {"status": "failed: RuntimeError: replay overwritten"}
+
+
 def test_a_rows_inductor_config_holds_in_its_own_steps_only():
     """The C++-wrapper row compiles its layers under `cpp_wrapper`, the CUDA-graph row under `triton.cudagraphs`;
     the config is as it was outside their steps."""
