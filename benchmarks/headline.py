@@ -130,13 +130,10 @@ TRAIN_STEP_TRAINERS = {"grpo": "GRPOTrainer", "grpo-compiled-layers": "GRPOTrain
                        "skip-all": "skip_zero_advantage='all'"}  # fmt: skip
 
 
-def train_step_runs(root: Path) -> list[dict]:
-    """The headline step runs, docs/benchmarks/trl-step/trl-step-<M>-step4.json for every model."""
-    return [load(root / f"docs/benchmarks/trl-step/trl-step-{m}-step4.json") for m in STEP_MODELS]
-
-
-def train_step_table(root: Path, runs: list[dict]) -> list[str]:
-    """The step as `trainer.train()` runs it, every batch of the headline run: one row per model and batch."""
+def train_step_table(root: Path) -> list[str]:
+    """The step as `trainer.train()` runs it, every batch of the headline runs (docs/benchmarks/trl-step/
+    trl-step-<M>-step4.json for every model): one row per model and batch."""
+    runs = [load(root / f"docs/benchmarks/trl-step/trl-step-{m}-step4.json") for m in STEP_MODELS]
     rows = [r for run in runs for r in run["rows"]]
     caption = (
         "**The step as `trainer.train()` runs it** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches "
@@ -168,7 +165,7 @@ def sft_table(root: Path) -> list[str]:
 def render(root: Path = ROOT) -> str:
     tables = [
         head_table(root),
-        train_step_table(root, train_step_runs(root)),
+        train_step_table(root),
         fp32_table(root),
         verl_table(root),
         sft_table(root),

@@ -512,6 +512,15 @@ def with_liger_kernels(model, config: dict, step):
 MISSING = object()
 
 
+def make_plans(trainers, batches: list) -> None:
+    """The micro-batches' plans (rows at advantage 0, real spans) made before timing, as in training when the
+    generation batch is made (`_prepare_inputs`, which a step of one micro-batch does not call), for every
+    CompiledGRPOTrainer among `trainers`."""
+    compiled = [t for t in trainers if isinstance(t, CompiledGRPOTrainer)]
+    if compiled:
+        plan.annotate(compiled[0], batches, with_zeros=any(t.skip_reason is None for t in compiled))
+
+
 def trainer_step(t, batches: list):
     """`_compute_loss` + backward on the next of `batches`; then CompiledGRPOTrainer's metrics are read back as a
     log after every step would (GRPOTrainer reads its own back inside `_compute_loss`). CompiledGRPOTrainer's
@@ -606,12 +615,7 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
         batches = micro_batches(vocab, device, size, kind, C=completion)
         trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, checkpointing=checkpointing)
                     for name in names}  # fmt: skip
-        compiled = [t for t in trainers.values() if isinstance(t, CompiledGRPOTrainer)]
-        # the micro-batches' plans (rows at advantage 0, real spans) made before timing, as in training when the
-        # generation batch is made
-        if compiled:
-            zeros_read = any(t.skip_reason is None for t in compiled)
-            plan.annotate(compiled[0], batches, with_zeros=zeros_read)
+        make_plans(trainers.values(), batches)
         steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
         steps = row_steps(model, steps, trainers)
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)

@@ -153,8 +153,7 @@ def test_the_headline_step_runs_make_one_step_table(tmp_path):
         rows = [{"shape": f"{m} tail x8 step/4", "method": t, "ms": ms, "peak_gib": 1.0, "gradient_checkpointing": True}
                 for t, ms in (("grpo", 600.0), ("grpo-liger", 500.0), ("auto", 300.0))]  # fmt: skip
         (folder / f"trl-step-{m}-step4.json").write_text(json.dumps({"versions": versions, "rows": rows}))
-    runs = headline.train_step_runs(tmp_path)
-    table = headline.train_step_table(tmp_path, runs)
+    table = headline.train_step_table(tmp_path)
     assert "gradient checkpointing on" in table[0] and "--headline" in table[0]
     header = "| model, batch | GRPOTrainer | GRPOTrainer with Liger's kernels | CompiledGRPOTrainer (defaults) |"
     assert table[2] == header

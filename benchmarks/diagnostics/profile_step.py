@@ -113,16 +113,13 @@ def profile_method(step, model, steps: int, reset, warmups: int = 2) -> dict:
     return summarize(prof.events(), steps)
 
 
-def python_profile(step, steps: int, reset, warmups: int = 2) -> str:
-    """The host's time in `steps` steps by Python function (cProfile), sorted by cumulative time: where the host
-    time of a host-bound step goes, the waits on the GPU included (as time in the call that waits)."""
+def python_profile(step, steps: int, reset) -> str:
+    """The host's time in `steps` steps (already warm) by Python function (cProfile), sorted by cumulative time:
+    where the host time of a host-bound step goes, the waits on the GPU included (as time in the call that waits)."""
     import cProfile
     import io
     import pstats
 
-    for _ in range(warmups):
-        step()
-        reset()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -192,13 +189,12 @@ def main(argv=None):
     results = {"bound": profile_method(bound, model, args.steps, reset, warmups)}
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, device == "cuda", completion)
-        if isinstance(trainer, trl_step.CompiledGRPOTrainer):  # the plans made with the generation batch in training
-            micro_batch_plan.annotate(trainer, batches, with_zeros=trainer.skip_reason is None)
+        trl_step.make_plans([trainer], batches)
         own_layers = trl_step.with_own_layer_calls(model, trl_step.trainer_step(trainer, batches),
                                                    trl_step.compiles_layers(name))  # fmt: skip
         step = with_backward_range(own_layers)
         results[name] = profile_method(step, model, args.steps, reset, warmups)
-        if args.python:
+        if args.python:  # the step warmed by `profile_method`
             text = python_profile(own_layers, args.steps, reset)
             (out / f"python-profile-{args.model}-{args.batch}-{name}.txt").write_text(text)
         del trainer, step
