@@ -190,12 +190,12 @@ def main(argv=None):
     for name in args.trainers.split(","):
         trainer = trl_step.make_trainer(name, model, args.size, q, device == "cuda", completion)
         trl_step.make_plans([trainer], batches)
-        own_layers = trl_step.with_own_layer_calls(model, trl_step.trainer_step(trainer, batches),
-                                                   trl_step.compiles_layers(name))  # fmt: skip
-        step = with_backward_range(own_layers)
+        # the row's step as `trl_step` times it: its own compiled layers, Inductor config and Liger's kernels
+        row = trl_step.row_steps(model, {name: trl_step.trainer_step(trainer, batches)}, {name: trainer})[name]
+        step = with_backward_range(row)
         results[name] = profile_method(step, model, args.steps, reset, warmups)
         if args.python:  # the step warmed by `profile_method`
-            text = python_profile(own_layers, args.steps, reset)
+            text = python_profile(row, args.steps, reset)
             (out / f"python-profile-{args.model}-{args.batch}-{name}.txt").write_text(text)
         del trainer, step
         if device == "cuda":
