@@ -173,7 +173,7 @@ def ratio(value) -> str:
     return f"{value:.2f}" if value else "-"
 
 
-def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> None:
+def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int, note: str | None = None) -> None:
     versions_line = ", ".join(f"{k} {v}" for k, v in info.items() if k not in ("gpu", "repeats"))
     lines = [
         "# GPU benchmark",
@@ -191,6 +191,7 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
         "`cast_lm_head_to_fp32`), its floor three float32 GEMMs (TF32 off) and `/ TRL` against TRL's head in "
         "float32. `rounded`: `round_logits=True`; `captured`: `capture=True` (its graph pool beside the peak).",
         "",
+        *([f"Note: {note}", ""] if note else []),
     ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         lines += [f"## {shape} ({next(r['tokens'] for r in rows if r['shape'] == shape)} active tokens)", ""]
@@ -208,28 +209,66 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int) -> Non
     (out / "gpu.md").write_text("\n".join(lines))
 
 
-def write_run(rows: list[dict], info: dict, out: Path, date: str | None = None) -> None:
+def write_run(rows: list[dict], info: dict, out: Path, date: str | None = None, note: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     run = {"versions": info, "date": date or time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
-    (out / "gpu.json").write_text(json.dumps(run, indent=1))
-    write_markdown(rows, info, out, info["repeats"])
+    (out / "gpu.json").write_text(json.dumps(run | ({"note": note} if note else {}), indent=1))
+    write_markdown(rows, info, out, info["repeats"], note)
     plots.draw(rows, out / "gpu.png", plots.run_title(f"{info['gpu']}, bf16, dapo", rows))
 
 
 def combined(paths: list[Path]) -> tuple[list[dict], dict, str | None]:
-    """The rows of several runs, their one set of versions and the latest date; runs of other versions, or a
-    (shape, method) measured twice, are refused (a table mixes no runs of different code or settings)."""
+    """The rows of several runs, their one set of versions and the latest date. A later run may measure again a
+    row that an earlier one skipped (a baseline whose libraries that call lacked): the measured row replaces the
+    skipped one, keeps its own call's floor ratio, and takes its `/ TRL` from the TRL row beside it; a shape's floor
+    is the first run's. Runs of other versions, or a (shape, method) measured twice, are refused (a table mixes no
+    runs of different code or settings)."""
     runs = [json.loads(p.read_text()) for p in paths]
     info = runs[0]["versions"]
     for path, run in zip(paths, runs, strict=True):
         if run["versions"] != info:
             raise ValueError(f"{path} ran under {run['versions']}, {paths[0]} under {info}: not one run")
-    rows = [r for run in runs for r in run["rows"]]
+    rows = merged([r for run in runs for r in run["rows"]])
     seen = [(r["shape"], r["method"]) for r in rows]
     twice = sorted({k for k in seen if seen.count(k) > 1})
     if twice:
         raise ValueError(f"measured in more than one run: {twice}")
-    return rows, info, max((run["date"] for run in runs if "date" in run), default=None)
+    date = max((run["date"] for run in runs if "date" in run), default=None)
+    return in_method_order(filled_trl_ratios(rows)), info, date
+
+
+def merged(rows: list[dict]) -> list[dict]:
+    """The rows without those a later run measured after skipping them, and with one floor per shape (the first)."""
+    measured = {(r["shape"], r["method"]) for r in rows if "ms" in r}
+    kept, floors = [], set()
+    for r in rows:
+        is_floor = r["method"].startswith("floor")
+        if ("ms" not in r and (r["shape"], r["method"]) in measured) or (is_floor and r["shape"] in floors):
+            continue
+        floors |= {r["shape"]} if is_floor else set()
+        kept.append(r)
+    return kept
+
+
+def filled_trl_ratios(rows: list[dict]) -> list[dict]:
+    """`/ TRL` for the timed rows of a call that did not time TRL's head, from the TRL row of their shape."""
+    trl = {r["shape"]: r["ms"] for r in rows if r["method"].startswith("TRL") and "ms" in r}
+    for r in rows:
+        if "ms" in r and r.get("x_trl") is None and r["shape"] in trl:
+            r["x_trl"] = r["ms"] / trl[r["shape"]]
+    return rows
+
+
+def in_method_order(rows: list[dict]) -> list[dict]:
+    """Rows by shape (first seen first) and within a shape in the order its methods are declared."""
+    shapes = {s: i for i, s in enumerate(dict.fromkeys(r["shape"] for r in rows))}
+
+    def place(r: dict) -> tuple[int, int]:
+        shape = SHAPES.get(r["shape"])
+        order = list(FP32_METHODS if shape is not None and shape.fp32_head else METHODS)
+        return shapes[r["shape"]], order.index(r["method"]) if r["method"] in order else len(order)
+
+    return sorted(rows, key=place)
 
 
 def chosen_methods(args) -> tuple[dict, dict]:
@@ -263,6 +302,9 @@ def parser() -> argparse.ArgumentParser:
         "(e.g. 'memory:vocab_tile=16384;speed:speed_tile=1024')",
     )
     ap.add_argument("--combine", nargs="+", type=Path, default=None, help="gpu.json files to join (no GPU needed)")
+    ap.add_argument(
+        "--note", default=None, help="with --combine: a sentence on how the runs were made, kept in both files"
+    )
     ap.add_argument("--out", default="benchmark-results", help="folder for gpu.md, gpu.json and gpu.png")
     return ap
 
@@ -275,7 +317,7 @@ def main(argv=None):
             rows, info, date = combined(args.combine)
         except (ValueError, OSError, KeyError) as e:
             ap.error(f"--combine: {e}")
-        return write_run(rows, info, Path(args.out), date)
+        return write_run(rows, info, Path(args.out), date, args.note)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (none is visible); on a CPU run `python -m benchmarks.cpu`")
     shapes = (args.shapes or ",".join(HEADLINE_SHAPES if args.headline else SHAPES)).split(",")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -149,7 +150,10 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "repeats": args.repeats}  # fmt: skip
-    (out / f"sft-step-{args.model}.json").write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    (out / f"sft-step-{args.model}.json").write_text(
+        json.dumps({"versions": versions, "date": today, "rows": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -112,8 +113,8 @@ def run(scenario: str, repeats: int, methods: dict) -> list[dict]:
     return rows
 
 
-def write_markdown(rows: list[dict], out: Path, repeats: int) -> None:
-    lines = ["# verl-shaped benchmark", "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}. "
+def write_markdown(rows: list[dict], versions: dict, out: Path, repeats: int) -> None:
+    lines = ["# verl-shaped benchmark", "", f"{versions['gpu']}, torch {versions['torch']}. "
              f"{__doc__.split('    python -m')[0].strip()} Median of {repeats} runs after 3 warm-ups.", ""]  # fmt: skip
     for scenario in dict.fromkeys(r["shape"] for r in rows):
         header = (
@@ -138,12 +139,24 @@ def write_markdown(rows: list[dict], out: Path, repeats: int) -> None:
     (out / "verl.md").write_text("\n".join(lines) + "\n")
 
 
+def write_run(run: dict, out: Path, repeats: int) -> None:
+    """verl.json, verl.md and verl.png of one run (`run`: its versions, date and rows)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verl.json").write_text(json.dumps(run, indent=1))
+    rows, gpu = run["rows"], run["versions"]["gpu"]
+    write_markdown(rows, run["versions"], out, repeats)
+    plots.draw(rows, out / "verl.png", plots.run_title(f"{gpu}, bf16, H={H}, V={V}", rows))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--verl-wheel", type=Path, default=verl_triton.WHEEL)
+    ap.add_argument("--report", type=Path, default=None, help="a stored verl.json: rewrite its table and picture")
     ap.add_argument("--out", default="benchmark-results", help="folder for verl.md, verl.json and verl.png")
     args = ap.parse_args(argv)
+    if args.report:
+        return write_run(json.loads(args.report.read_text()), Path(args.out), args.repeats)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (none is visible)")
     loaded = verl_triton.load(args.verl_wheel)
@@ -151,15 +164,12 @@ def main(argv=None) -> None:
         ap.error(loaded)
     methods = heads(*loaded)
     rows = run("verl-shaped", args.repeats, methods) + run("dense", args.repeats, methods)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "verl.json").write_text(
-        json.dumps(
-            {"versions": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, "rows": rows}, indent=1
-        )
+    versions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    write_run(
+        {"versions": versions, "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows},
+        Path(args.out),
+        args.repeats,
     )
-    write_markdown(rows, out, args.repeats)
-    plots.draw(rows, out / "verl.png", plots.run_title(f"{torch.cuda.get_device_name()}, bf16, H={H}, V={V}", rows))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,22 @@ def test_sft_step_report(tmp_path):
     assert (tmp_path / "out" / "sft-step.png").stat().st_size > 0
 
 
+def test_verl_head_report_rewrites_a_stored_runs_table_without_a_gpu(tmp_path):
+    import json
+
+    from benchmarks import verl_head
+
+    timed = (("floor: three lm_head GEMMs", 10.0), ("verl 0.9.1 Triton linear_cross_entropy", 20.0))
+    rows = [{"shape": "dense", "method": m, "tokens": 16, "ms": ms, "peak_gib": 1.0, "x_floor": ms / 10.0}
+            for m, ms in timed]  # fmt: skip
+    stored = tmp_path / "verl.json"
+    stored.write_text(json.dumps({"versions": {"gpu": "Some GPU", "torch": "2"}, "date": "2026-12-04", "rows": rows}))
+    verl_head.main(["--report", str(stored), "--out", str(tmp_path / "out")])
+    table = (tmp_path / "out" / "verl.md").read_text()
+    assert "Some GPU, torch 2." in table and "| verl 0.9.1 Triton linear_cross_entropy | 20.0 | 2.00 | 1.00 |" in table
+    assert json.loads((tmp_path / "out" / "verl.json").read_text())["date"] == "2026-12-04"
+
+
 def test_every_step_method_has_a_label():
     from benchmarks import sft_step, trl_step
 

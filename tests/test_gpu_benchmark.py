@@ -111,6 +111,23 @@ def test_runs_of_one_set_of_versions_join_into_one_table(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_later_call_fills_a_skipped_baseline_in_its_place(tmp_path):
+    """A call that measured only a baseline another call skipped: its row replaces the skipped one, in the methods'
+    order, with `/ TRL` from the first call's TRL row; the shape keeps the first call's floor; the note is kept."""
+    versions = {"gpu": "GPU", "torch": "2", "repeats": 10}
+    a = stored_run(tmp_path / "a.json", "H896", versions)
+    later = [{"shape": "H896", "method": m, "tokens": 8192, "ms": ms, "peak_gib": 1.0, "status": "ok"}
+             for m, ms in (("floor: three lm_head GEMMs", 10.5), ("verl 0.9.1 Triton head + loss", 22.0))]  # fmt: skip
+    (tmp_path / "b.json").write_text(json.dumps({"versions": versions, "rows": gpu.with_ratios(later)}))
+    gpu.main(["--combine", a, str(tmp_path / "b.json"), "--out", str(tmp_path / "out"), "--note", "two calls"])
+    run = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    methods = [r["method"] for r in run["rows"]]
+    assert methods == ["floor: three lm_head GEMMs", "TRL 1.16 fused head + loss", "verl 0.9.1 Triton head + loss"]
+    floor, _, verl = run["rows"]
+    assert floor["ms"] == 10.0 and verl["x_trl"] == 2.0 and verl["x_floor"] == 22.0 / 10.5
+    assert run["note"] == "two calls" and "Note: two calls" in (tmp_path / "out" / "gpu.md").read_text()
+
+
 def test_readme_performance_tables_are_the_stored_runs(tmp_path):
     """README's performance numbers are the stored runs' (the generated tables), and the section's prose quotes
     none of its own; a hand-edited number turns the check red."""
