@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import plots
+from benchmarks.timing import run_date
 from compiled_grpo import FusedLinearGRPOLoss
 
 # (settings, rows at advantage 0) of the scenarios run beside the dense batch
@@ -187,7 +188,7 @@ def main(argv=None):
             "trl": md.version("trl") if "TRL 1.16 CPU path + loss" in results else "not installed"}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    run = {"versions": info, "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
+    run = {"versions": info, "date": run_date(), "rows": rows}
     (out / "cpu.json").write_text(json.dumps(run, indent=1))
     title = plots.run_title(f"{info['cpu']}, fp32, B=4 T=256 H=512 V=32000, torch {torch.__version__}", rows)
     plots.draw(rows, out / "cpu.png", title)

@@ -34,7 +34,7 @@ import torch
 
 from benchmarks import plots, unsloth_head, verl_triton
 from benchmarks.gpu_methods import FP32_METHODS, HEADLINE, METHODS, ours
-from benchmarks.timing import measure
+from benchmarks.timing import measure, run_date
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def write_markdown(rows: list[dict], info: dict, out: Path, repeats: int, note: 
 
 def write_run(rows: list[dict], info: dict, out: Path, date: str | None = None, note: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    run = {"versions": info, "date": date or time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
+    run = {"versions": info, "date": date or run_date(), "rows": rows}
     (out / "gpu.json").write_text(json.dumps(run | ({"note": note} if note else {}), indent=1))
     write_markdown(rows, info, out, info["repeats"], note)
     plots.draw(rows, out / "gpu.png", plots.run_title(f"{info['gpu']}, bf16, dapo", rows))

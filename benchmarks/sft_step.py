@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from benchmarks import plots, trl_step
+from benchmarks.timing import run_date
 from compiled_grpo.integrations.trl import compiled_fused_head
 
 METHODS = {  # name: the context the step runs in
@@ -150,10 +150,8 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "repeats": args.repeats}  # fmt: skip
-    today = time.strftime("%Y-%m-%d", time.gmtime())
-    (out / f"sft-step-{args.model}.json").write_text(
-        json.dumps({"versions": versions, "date": today, "rows": rows}, indent=1)
-    )
+    run = {"versions": versions, "date": run_date(), "rows": rows}
+    (out / f"sft-step-{args.model}.json").write_text(json.dumps(run, indent=1))
 
 
 if __name__ == "__main__":

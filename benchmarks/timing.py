@@ -1,5 +1,5 @@
 """GPU timing shared by the benchmarks: median CUDA-event time of a call, and its peak memory (on a CPU, a dry
-run of a benchmark's plumbing: the wall-clock median and no peak)."""
+run of a benchmark's plumbing: the wall-clock median and no peak); the date a stored run records."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def measure(run, x: dict, repeats: int, warmup: int = 3) -> tuple[float, float |
     torch.cuda.reset_peak_memory_stats()
     ms = median_ms(run, repeats, after=lambda: setattr(x["weight"], "grad", None))
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def run_date() -> str:
+    """Today's date (UTC) as a stored run records it."""
+    return time.strftime("%Y-%m-%d", time.gmtime())
 
 
 def median_ms(fn, repeats: int, after=lambda: None) -> float:

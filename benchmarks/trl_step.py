@@ -46,6 +46,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
+from benchmarks.timing import run_date
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan, regional_compile, settle
 
 QWEN = {
@@ -670,7 +671,7 @@ def sweep(args) -> None:
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "trl": md.version("trl"), "transformers": md.version("transformers"),
                 "liger_kernel": installed("liger-kernel"), "repeats": args.repeats}  # fmt: skip
-    rows, date = [], time.strftime("%Y-%m-%d", time.gmtime())
+    rows, date = [], run_date()
     for size in map(int, args.sizes.split(",")):
         for kind in args.batches.split(","):
             shape, steps, trainers = steps_to_time(args, model, size, kind, setup)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks import plots, verl_triton
-from benchmarks.timing import measure
+from benchmarks.timing import measure, run_date
 from compiled_grpo.integrations import verl as adapter
 
 H, V, SEQUENCES, LENGTH, GROUP = 4096, 151936, 16, 1024, 4
@@ -166,7 +165,7 @@ def main(argv=None) -> None:
     rows = run("verl-shaped", args.repeats, methods) + run("dense", args.repeats, methods)
     versions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     write_run(
-        {"versions": versions, "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows},
+        {"versions": versions, "date": run_date(), "rows": rows},
         Path(args.out),
         args.repeats,
     )
