@@ -11,7 +11,7 @@ from trl import GRPOTrainer
 
 from ... import logprobs
 from ...loss import FusedLinearGRPOLoss, GRPOLossOutput
-from . import entropy_bonus, packing, regional_compile, regroup, scoring, sharded_head, zero_advantage
+from . import entropy_bonus, packing, regional_compile, regroup, rollouts, scoring, sharded_head, zero_advantage
 from . import padding_free as real_tokens
 from . import plan as micro_batch_plan
 from .head import compiled_fused_head
@@ -44,14 +44,16 @@ class CompiledGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
-                 compile_backbone="auto", **kwargs):  # fmt: skip
+                 compile_backbone="auto", compile_generation="auto", **kwargs):  # fmt: skip
         regional_compile.check_mode(compile_backbone)
+        rollouts.check_mode(compile_generation)
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
         # an engine that shards the lm_head gathers it to a new address each call: graphs keyed on it would not serve
         self.shards_parameters = sharded_head.trainer_shards_parameters(self)
         regional_compile.configure(self, compile_backbone)
+        rollouts.configure(self, compile_generation)
         real_tokens.configure(self, padding_free, packed_attention, packed_bucket)
         weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
         options = {"capture": captures_by_default(weight) and not self.shards_parameters, **(loss_options or {})}
@@ -96,9 +98,17 @@ class CompiledGRPOTrainer(GRPOTrainer):
         micro_batch_plan.annotate(self, self._buffered_inputs, with_zeros=self.skip_reason is None)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _generate(self, prompts: list):  # on eager decoder layers (one token at a time against a cache)
+    def _generate(self, prompts: list):
+        """TRL's generation, its decoder layers' own compiled calls set aside (transformers compiles the whole decode
+        step where `compile_generation` does; otherwise generation is eager, as in TRL)."""
         with regional_compile.eager_layers(self):
             return super()._generate(prompts)
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        """One turn of TRL's generation, on compiled decoding with a pinned cache where the trainer compiles it
+        (`rollouts`)."""
+        run = lambda: super(CompiledGRPOTrainer, self)._generate_single_turn(prompt_ids, *args, **kwargs)  # noqa: E731
+        return rollouts.generate(self, run, prompt_ids)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"

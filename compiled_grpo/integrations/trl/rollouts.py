@@ -1,0 +1,177 @@
+"""Rollouts on compiled decoding: TRL's `generate` path with transformers' own compiled decode step, its shapes fixed.
+
+GRPOTrainer builds its `GenerationConfig(..., disable_compile=True)`, so transformers decodes one token at a time
+eagerly on a dynamic cache, and the step's generation takes most of its wall clock. transformers compiles the decode
+step (`torch.compile(mode="reduce-overhead")`: Inductor's kernels replayed as CUDA graphs) when the cache is static.
+The decode step's shapes are then the generation batch, one token, and the cache's length; the attention mask is
+built outside the compiled call at the cache's length, so the prompt's length does not reach the graph (the
+prefill, at the prompt's own length, runs eagerly). What recompiles is a new cache length, and transformers sizes
+the cache to each call's prompt + `max_new_tokens` unless `max_cache_len` pins it. Here the cache is pinned to the
+longest prompt's bucket (a power of two, at least `PROMPT_BUCKET_FLOOR` tokens) + `max_new_tokens`; transformers
+never shrinks a static cache it has sized before, so a run compiles once per bucket its prompts reach, in increasing
+order (said each time in a `GenerationNotice`). A `max_cache_len` in `GRPOConfig.generation_kwargs` is the floor.
+
+`compile_generation="auto"` (CompiledGRPOTrainer's default) compiles on a GPU where TRL generates with transformers'
+`generate` (not vLLM, not transformers' continuous batching), no engine shards the parameters (ZeRO-3 and FSDP
+gather them for each generation: their addresses change, which CUDA graphs cannot replay), the model is text-only
+and the cache is left to the trainer (`cache_implementation` None or "static"). `True` compiles wherever that path
+runs (the CPU too: Inductor's C++ kernels, no CUDA graphs); `False` keeps TRL's eager generation. Where compiling
+fails, generation falls back to TRL's eager configuration for the rest of the run, with the reason said once.
+Sampling is untouched: transformers' logits processors and sampler run outside the compiled call on its logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import torch
+import torch._dynamo.utils
+
+from ... import kernels
+
+PROMPT_BUCKET_FLOOR = 256  # the smallest prompt bucket: prompts of up to 256 tokens share one cache length
+COMPILE_ERRORS = (
+    torch._dynamo.exc.BackendCompilerFailed,
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.TorchRuntimeError,
+    torch._dynamo.exc.InternalTorchDynamoError,
+)
+
+
+class GenerationNotice(UserWarning):
+    """What `compile_generation` compiled, or why generation runs eagerly."""
+
+
+@dataclasses.dataclass
+class GenerationCompiles:
+    """What compiled decoding did in a run: each compile's cache length, graphs and seconds, and the reason it stopped
+    compiling (None while it compiles)."""
+
+    compiles: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    calls: int = 0
+    fallback: str | None = None
+
+    @property
+    def graphs(self) -> int:
+        return sum(graphs for _, graphs, _ in self.compiles)
+
+
+def say(message: str) -> None:
+    warnings.warn(f"compiled_grpo: {message}", GenerationNotice, stacklevel=kernels.frames_to_caller())
+
+
+def check_mode(compile_generation) -> None:
+    if not (compile_generation is True or compile_generation is False or compile_generation == "auto"):
+        raise TypeError(f"compile_generation: expected 'auto', True or False, got {compile_generation!r}")
+
+
+def reason_not_to_compile(trainer, mode) -> str | None:
+    """Why the trainer's generation stays as TRL runs it, or None where it compiles (`mode` as checked)."""
+    if trainer.use_vllm:
+        return "generation runs on vLLM, which is left as TRL runs it"
+    if trainer.use_transformers_continuous_batching:
+        return "generation runs on transformers' continuous batching, which is left as TRL runs it"
+    if mode is False:
+        return "compile_generation=False"
+    cache = trainer.args.cache_implementation
+    if cache not in (None, "static"):
+        return f"cache_implementation={cache!r} was chosen; compiled decoding needs the static cache"
+    if mode is True:
+        return None
+    if trainer.accelerator.device.type != "cuda":
+        return "'auto' compiles on a GPU only (compile_generation=True compiles on the CPU too)"
+    if trainer.shards_parameters:
+        return "an engine (ZeRO-3, FSDP) gathers the parameters for each generation, which CUDA graphs cannot replay"
+    if getattr(trainer, "_is_vlm", False):
+        return "the model is multimodal (its prefill and image inputs are not part of the compiled decode step)"
+    return None
+
+
+def configure(trainer, mode) -> None:
+    """The trainer's generation set up for compiled decoding (a static cache, compiling on), or left as TRL's with
+    the reason kept in `trainer.generation_compiles.fallback` (said where the user asked for True)."""
+    check_mode(mode)
+    trainer.generation_compiles = GenerationCompiles()
+    reason = reason_not_to_compile(trainer, mode)
+    trainer.compile_generation = reason is None
+    if reason is not None:
+        trainer.generation_compiles.fallback = reason
+        if mode is True:
+            say(f"compile_generation: generation runs as TRL runs it: {reason}")
+        return
+    from transformers import CompileConfig
+
+    config = trainer.generation_config
+    trainer.cache_floor = config.max_cache_len or 0  # a user's pinned cache length, the smallest one used
+    config.cache_implementation = "static"
+    config.disable_compile = False
+    on_gpu = trainer.accelerator.device.type == "cuda"
+    config.compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if on_gpu else None)
+    if not on_gpu:  # transformers compiles only on accelerators unless told otherwise
+        config.compile_config._compile_all_devices = True
+    trainer.generation_kwargs["cache_implementation"] = "static"  # the model's own config, overridden as TRL does
+
+
+def prompt_bucket(length: int) -> int:
+    """The prompt bucket of a prompt of `length` tokens: the next power of two, at least `PROMPT_BUCKET_FLOOR`."""
+    return max(PROMPT_BUCKET_FLOOR, 1 << max(length - 1, 0).bit_length())
+
+
+def cache_length(trainer, prompt_ids: list) -> int:
+    """The static cache's length for these prompts: the longest one's bucket + `max_new_tokens`."""
+    longest = max((len(ids) for ids in prompt_ids), default=1)
+    return max(trainer.cache_floor, prompt_bucket(longest) + trainer.generation_config.max_new_tokens)
+
+
+def generate(trainer, run, prompt_ids: list):
+    """`run()`: TRL's generation of `prompt_ids`, on compiled decoding where the trainer compiles it (its cache pinned
+    to `cache_length`); a compile is timed and said; where compiling fails, eager from here on, said once."""
+    if not trainer.compile_generation:
+        return run()
+    config = trainer.generation_config
+    config.max_cache_len = cache_length(trainer, prompt_ids)
+    before, start = graphs(), time.perf_counter()
+    try:
+        result = run()
+    except COMPILE_ERRORS as error:
+        fall_back(trainer, error)
+        return run()
+    record(trainer, (len(prompt_ids), config.max_cache_len), graphs() - before, time.perf_counter() - start)
+    return result
+
+
+def graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def record(trainer, shape: tuple[int, int], new_graphs: int, seconds: float) -> None:
+    """One generation's compiles (`shape`: its sequences and cache length) counted; a compile said."""
+    state, (sequences, length) = trainer.generation_compiles, shape
+    state.calls += 1
+    if not new_graphs:
+        return
+    first = not state.compiles
+    state.compiles.append((length, new_graphs, seconds))
+    if first:
+        say(f"compile_generation: the first generation compiled the decode step ({sequences} sequences, a cache of {length} "
+            f"tokens) and took {seconds:.1f} s; later generations replay it")  # fmt: skip
+    else:
+        say(f"compile_generation: a longer prompt grew the cache to {length} tokens and the decode step compiled "
+            f"again ({seconds:.1f} s); pin it with generation_kwargs={{'max_cache_len': N}}")  # fmt: skip
+
+
+def fall_back(trainer, error: Exception) -> None:
+    """TRL's own generation configuration back (eager decoding on its cache), the reason kept and said."""
+    cause = getattr(error, "inner_exception", None) or error.__cause__ or error
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    reason = f"compiling the decode step failed ({type(error).__name__}: {type(cause).__name__}: {first[:300]})"
+    config = trainer.generation_config
+    config.cache_implementation = trainer.args.cache_implementation
+    config.disable_compile, config.max_cache_len, config.compile_config = True, None, None
+    trainer.generation_kwargs["cache_implementation"] = trainer.args.cache_implementation
+    trainer.compile_generation = False
+    trainer.generation_compiles.fallback = reason
+    say(f"compile_generation: {reason}; generation runs eagerly from here")
