@@ -130,6 +130,7 @@ def generate(trainer, run, prompt_ids: list):
     to `cache_length`); a compile is timed and said; where compiling fails, eager from here on, said once."""
     if not trainer.compile_generation:
         return run()
+    drop_repeated_input_grad_hooks(trainer.accelerator.unwrap_model(trainer.model))
     config = trainer.generation_config
     config.max_cache_len = cache_length(trainer, prompt_ids)
     before, start = graphs(), time.perf_counter()
@@ -140,6 +141,20 @@ def generate(trainer, run, prompt_ids: list):
         return run()
     record(trainer, (len(prompt_ids), config.max_cache_len), graphs() - before, time.perf_counter() - start)
     return result
+
+
+def drop_repeated_input_grad_hooks(model: torch.nn.Module) -> None:
+    """One of the identical hooks that make the input embeddings' output require grad kept, the rest removed.
+    transformers' `gradient_checkpointing_enable` adds one each time it is called and its disable removes it only on
+    PEFT models; TRL disables and enables checkpointing around every generation, so each step adds one, and the
+    compiled decode step, which guards on the embeddings' hooks, would compile again at every step."""
+    for module in model.modules():
+        hooks = module._forward_hooks
+        repeated = [key for key, hook in hooks.items() if getattr(hook, "__name__", "") == "make_inputs_require_grads"]
+        for key in repeated[:-1]:
+            del hooks[key]
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
 
 
 def graphs() -> int:
