@@ -171,8 +171,8 @@ def record(trainer, shape: tuple[int, int], new_graphs: int, seconds: float) -> 
     first = not state.compiles
     state.compiles.append((length, new_graphs, seconds))
     if first:
-        say(f"compile_generation: the first generation compiled the decode step ({sequences} sequences, a cache of {length} "
-            f"tokens) and took {seconds:.1f} s; later generations replay it")  # fmt: skip
+        say(f"compile_generation: the first generation compiled the decode step ({sequences} sequences, a cache of "
+            f"{length} tokens) and took {seconds:.1f} s; later generations replay it")  # fmt: skip
     else:
         say(f"compile_generation: a longer prompt grew the cache to {length} tokens and the decode step compiled "
             f"again ({seconds:.1f} s); pin it with generation_kwargs={{'max_cache_len': N}}")  # fmt: skip
