@@ -1,0 +1,383 @@
+"""The step users wait for: `trainer.train()` itself, generation included, one trainer per process.
+
+Each row is a real `train()` run in a process of its own (the trainers compile the shared model's layers and
+decode step in place, and an empty Inductor cache per process unless the row says it is warm): TRL's `GRPOConfig`
+defaults (gradient checkpointing on, transformers' `generate`, no vLLM), 4 prompts x 8 completions per optimizer
+step (`per_device_train_batch_size=8`, `gradient_accumulation_steps=4`), prompts of 20-200 tokens, completions of at
+most 256 tokens that end at EOS. The models are Qwen2.5's shapes with random bf16 weights (nothing downloaded); a
+random model's next-token distribution is nearly uniform, so the model declares one token in 95 an end of sequence
+(`generation_config.eos_token_id`, as chat models declare their end-of-turn tokens) and completions end after about
+95 tokens, a few at the limit. The reward is the share of a completion's tokens with an even id (noise, so every
+group has a spread and trains). Per optimizer step: the wall clock (between the ends of consecutive steps),
+generation (TRL's `_generate_single_turn`, synchronized), the rest of the step (rewards, old log-probs, the loss's
+forwards and backwards, the optimizer), graphs dynamo compiled during generation, the mean completion length; per
+run: the peak memory, and the GPU's busy time of one more step under the profiler (its kernels' time, each counted
+once). The first two steps (compiling) are reported apart from the median of the rest.
+
+    python -m benchmarks.train --model 1.5B [--rows grpo,grpo-compiled-decoding,default,eager-generation]
+        [--steps 10] [--warm] [--out benchmark-results]
+    python -m benchmarks.train --report benchmark-results/train-*.json [--out docs/benchmarks/train]
+
+The first writes `train-<model>.json` row by row; `--warm` adds the default row again on the Inductor cache the
+first default row filled. `--report` joins such files into `train.md` and `train.png`. `--model tiny` runs a small
+model on the CPU (a smoke test of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROWS = {
+    "grpo": "GRPOTrainer",
+    "grpo-compiled-decoding": "GRPOTrainer, compiled decoding by hand",
+    "default": "CompiledGRPOTrainer (defaults)",
+    "default-warm": "CompiledGRPOTrainer (defaults), warm Inductor cache",
+    "eager-generation": "CompiledGRPOTrainer, compile_generation=False",
+}
+PROMPTS, GENERATIONS, MICRO_BATCH, ACCUMULATION = 4, 8, 8, 4
+MAX_COMPLETION, EOS_SHARE = 256, 95  # one token in EOS_SHARE ends a completion
+
+
+def dataset(vocab: int, steps: int, seed: int = 0):
+    """`PROMPTS` prompts a step, of 20-200 random tokens each, as text the word-level tokenizer maps back to them."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    texts = [" ".join(f"t{rng.randrange(3, vocab)}" for _ in range(rng.randint(20, 200)))
+             for _ in range(PROMPTS * (steps + 2))]  # fmt: skip
+    return Dataset.from_dict({"prompt": texts})
+
+
+def tokenizer(vocab: int):
+    """A word-level tokenizer with one word per id of the model's vocabulary (`t<id>`), so that any sampled id decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def even_share(completion_ids, **kwargs) -> list[float]:
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def model_for(name: str, device):
+    """Qwen2.5-shaped model with random weights whose generation config ends a completion at one token in 95."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks.trl_step import QWEN
+
+    vocab = 1000 if name == "tiny" else 151936
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN[name], vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ends = random.Random(1).sample(range(3, vocab), vocab // EOS_SHARE)
+    model.generation_config.eos_token_id = [1, *ends]
+    return model
+
+
+class StepClock:
+    """Each optimizer step's wall clock (end to end), its generation time and the graphs compiled while generating."""
+
+    def __init__(self, trainer, on_gpu: bool):
+        import torch
+        import torch._dynamo.utils
+        from transformers import TrainerCallback
+
+        self.steps, self.generation, self.compiled, self.sync = [], 0.0, 0, torch.cuda.synchronize if on_gpu else None
+        counters = torch._dynamo.utils.counters["stats"]
+        original = trainer._generate_single_turn
+
+        def timed_generation(*args, **kwargs):
+            self.settle()
+            start, graphs = time.perf_counter(), counters["unique_graphs"]
+            result = original(*args, **kwargs)
+            self.settle()
+            self.generation += time.perf_counter() - start
+            self.compiled += counters["unique_graphs"] - graphs
+            return result
+
+        trainer._generate_single_turn = timed_generation
+        clock = self
+
+        class Ends(TrainerCallback):
+            def on_train_begin(self, *args, **kwargs):
+                clock.settle()
+                clock.last = time.perf_counter()
+
+            def on_step_end(self, *args, **kwargs):
+                clock.settle()
+                now = time.perf_counter()
+                clock.steps.append({"wall_s": now - clock.last, "generation_s": clock.generation,
+                                    "generation_graphs": clock.compiled})  # fmt: skip
+                clock.last, clock.generation, clock.compiled = now, 0.0, 0
+
+        trainer.add_callback(Ends())
+
+    def settle(self) -> None:
+        if self.sync is not None:
+            self.sync()
+
+
+class BusyStep:
+    """The GPU's busy time of one optimizer step (`step`), from the profiler's device-side events (each kernel, copy
+    and set counted once, CUDA graphs' kernels included)."""
+
+    def __init__(self, trainer, step: int):
+        from transformers import TrainerCallback
+
+        busy = self
+        self.ms, self.profiler = None, None
+
+        class Profile(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == step - 1:
+                    busy.start()
+                elif state.global_step == step and busy.profiler is not None:
+                    busy.stop()
+
+        trainer.add_callback(Profile())
+
+    def start(self) -> None:
+        import torch
+
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self.profiler.__enter__()
+
+    def stop(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        device = [e for e in self.profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        self.ms = sum(e.device_time for e in device) / 1e3
+
+
+def run_row(row: str, model_name: str, steps: int) -> dict:
+    """One `train()` run of `row` (in this process), its per-step times, peak memory and GPU busy time."""
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from compiled_grpo.integrations.trl import CompiledGRPOTrainer
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    model = model_for(model_name, device)
+    vocab = model.config.vocab_size
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="train-bench-"), per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION, num_generations=GENERATIONS,
+        max_completion_length=MAX_COMPLETION if model_name != "tiny" else 16, max_steps=steps + on_gpu,
+        learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no", seed=0, bf16=on_gpu,
+        use_cpu=not on_gpu, cache_implementation="static" if row == "grpo-compiled-decoding" else None,
+    )  # fmt: skip
+    cls = GRPOTrainer if row.startswith("grpo") else CompiledGRPOTrainer
+    options = {"compile_generation": False} if row == "eager-generation" else {}
+    trainer = cls(model=model, reward_funcs=even_share, args=args, train_dataset=dataset(vocab, steps + 1),
+                  processing_class=tokenizer(vocab), **options)  # fmt: skip
+    if row == "grpo-compiled-decoding":  # what a user can do by hand: TRL's own config, compiling allowed
+        trainer.generation_config.disable_compile = False
+    clock = StepClock(trainer, on_gpu)
+    busy = BusyStep(trainer, steps + 1) if on_gpu else None
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
+    for step, length in zip(clock.steps, lengths, strict=False):
+        step["mean_completion"] = length
+    compiles = getattr(trainer, "generation_compiles", None)
+    return {
+        "row": row, "model": model_name, "steps": clock.steps[:steps], "busy_ms": busy.ms if busy else None,
+        "busy_step_s": clock.steps[steps]["wall_s"] if on_gpu and len(clock.steps) > steps else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        "compile_generation": getattr(trainer, "compile_generation", None),
+        "generation_fallback": compiles.fallback if compiles else None,
+        "generation_cache_lengths": [length for length, _, _ in compiles.compiles] if compiles else None,
+    }  # fmt: skip
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    from benchmarks.timing import run_date
+
+    found = {"torch": torch.__version__, "date": run_date(), "host": os.uname().nodename}
+    for package in ("transformers", "trl", "accelerate"):
+        found[package] = md.version(package)
+    found["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    found["cpu"] = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("model name")), "?")  # fmt: skip
+    return found
+
+
+def sweep(args) -> None:
+    """Each row in a child process, in order; the JSON rewritten after each."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"train-{args.model}.json"
+    rows = args.rows.split(",") + (["default-warm"] if args.warm else [])
+    data = {"versions": versions(), "rows": []}
+    shared_cache = tempfile.mkdtemp(prefix="inductor-default-")
+    for row in rows:
+        cache = shared_cache if row in ("default", "default-warm") else tempfile.mkdtemp(prefix=f"inductor-{row}-")
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
+        result = Path(tempfile.mkdtemp()) / "row.json"
+        command = [sys.executable, "-m", "benchmarks.train", "--model", args.model, "--steps", str(args.steps),
+                   "--child", row, "--child-out", str(result)]  # fmt: skip
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, check=False)
+        if done.returncode or not result.exists():
+            data["rows"].append({"row": row, "model": args.model, "error": f"exit {done.returncode}"})
+        else:
+            data["rows"].append(json.loads(result.read_text()))
+        print(f"[train] {args.model} {row}: {time.perf_counter() - started:.0f} s", flush=True)
+        path.write_text(json.dumps(data, indent=1))
+    print(summary_lines(data["rows"]))
+
+
+def summary(row: dict) -> dict | None:
+    """A run's figures: the median step after the first two (s), its generation and the rest, the first two steps."""
+    steps = row.get("steps") or []
+    if len(steps) < 3:
+        return None
+    later = steps[2:]
+    median = statistics.median(s["wall_s"] for s in later)
+    generation = statistics.median(s["generation_s"] for s in later)
+    return {
+        "median_s": median, "generation_s": generation, "rest_s": statistics.median(
+            s["wall_s"] - s["generation_s"] for s in later),
+        "first_two_s": steps[0]["wall_s"] + steps[1]["wall_s"], "longest_later_s": max(s["wall_s"] for s in later),
+        "later_graphs": sum(s["generation_graphs"] for s in later),
+        "first_graphs": sum(s["generation_graphs"] for s in steps[:2]),
+        "mean_completion": statistics.mean(s.get("mean_completion", 0) for s in steps),
+    }  # fmt: skip
+
+
+def summary_lines(rows: list[dict]) -> str:
+    lines = [
+        "| model | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one step (s) "
+        "| first two steps (s) | longest later step / median | generation graphs (first two steps + later) | "
+        "peak GiB | mean completion |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = {r["row"]: r for r in rows if r["model"] == model}
+        base = summary(mine.get("grpo", {}))
+        for name, row in mine.items():
+            s = summary(row)
+            if s is None:
+                lines.append(f"| {model} | {ROWS[name]} | {row.get('error', 'too few steps')} |" + " |" * 9)
+                continue
+            speed = f"{base['median_s'] / s['median_s']:.2f}x" if base else "-"
+            busy = f"{row['busy_ms'] / 1e3:.2f} of {row['busy_step_s']:.2f}" if row.get("busy_ms") else "-"
+            peak = f"{row['peak_gib']:.2f}" if row.get("peak_gib") is not None else "-"
+            lines.append(
+                f"| {model} | {ROWS[name]} | {s['median_s']:.2f} | {speed} | {s['generation_s']:.2f} | "
+                f"{s['rest_s']:.2f} | {busy} | {s['first_two_s']:.1f} | {s['longest_later_s'] / s['median_s']:.2f} | "
+                f"{s['first_graphs']} + {s['later_graphs']} | {peak} | {s['mean_completion']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: Path, title: str) -> None:
+    """Each run's steps as stacked bars (generation below, the rest of the step above), one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows if r.get("steps")))
+    fig, axes = plt.subplots(len(models), 1, figsize=(13, 3.6 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model and r.get("steps")]
+        width = 0.8 / len(mine)
+        for i, row in enumerate(mine):
+            x = [k + i * width for k in range(len(row["steps"]))]
+            generation = [s["generation_s"] for s in row["steps"]]
+            rest = [s["wall_s"] - s["generation_s"] for s in row["steps"]]
+            color = plt.cm.tab10(list(ROWS).index(row["row"]))
+            ax.bar(x, generation, width, color=color, label=f"{ROWS[row['row']]}: generation")
+            ax.bar(x, rest, width, bottom=generation, color=color, alpha=0.45, hatch="//", label="  rest of the step")
+        ax.set_yscale("log")
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(max(len(r["steps"]) for r in mine))])
+        ax.set_xticklabels([str(k + 1) for k in range(max(len(r["steps"]) for r in mine))])
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("seconds (log)")
+        ax.set_title(f"{model}: each step's generation (solid) and the rest of the step (hatched)")
+        ax.legend(fontsize=7, ncol=2, loc="upper right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args) -> None:
+    rows, found = [], {}
+    for name in args.report:
+        data = json.loads(Path(name).read_text())
+        rows += data["rows"]
+        found = data["versions"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# `trainer.train()`: the whole optimizer step, generation included",
+        "",
+        f"{found['gpu']}; torch {found['torch']}, transformers {found['transformers']}, TRL {found['trl']}, "
+        f"accelerate {found['accelerate']}; run {found['date']}. " + __doc__.split("\n\n")[1].replace("\n", " "),
+        "",
+        "`speed-up`: GRPOTrainer's median step over the row's. `GPU busy`: the device time of the step after the "
+        "timed ones, of that step's wall clock under the profiler. `generation graphs`: graphs dynamo compiled "
+        "while generating, in the first two steps and in the later ones (a later one is a recompile).",
+        "",
+        summary_lines(rows),
+        "",
+        "![each step's generation and the rest](train.png)",
+        "",
+    ]
+    (out / "train.md").write_text("\n".join(lines))
+    draw(rows, out / "train.png", f"train(), {found['gpu']}, run {found['date']}")
+    print("\n".join(lines))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="1.5B", choices=["tiny", "0.5B", "1.5B", "7B"])
+    parser.add_argument("--rows", default="grpo,grpo-compiled-decoding,default,eager-generation")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warm", action="store_true", help="the default row again, on its own Inductor cache")
+    parser.add_argument("--out", default="benchmark-results")
+    parser.add_argument("--report", nargs="+")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.report:
+        report(args)
+    elif args.child:
+        for row in args.rows.split(",") + ["default-warm"]:
+            ROWS[row]  # noqa: B018  (an unknown row fails here, before any work)
+        result = run_row("default" if args.child == "default-warm" else args.child, args.model, args.steps)
+        Path(args.child_out).write_text(json.dumps({**result, "row": args.child}))
+    else:
+        for row in args.rows.split(","):
+            if row not in ROWS:
+                parser.error(f"--rows: unknown row {row!r} (one of {', '.join(ROWS)})")
+        sweep(args)
+
+
+if __name__ == "__main__":
+    main()
