@@ -58,7 +58,7 @@ def dataset(vocab: int, steps: int, seed: int = 0):
 
 
 def tokenizer(vocab: int):
-    """A word-level tokenizer with one word per id of the model's vocabulary (`t<id>`), so that any sampled id decodes."""
+    """A word-level tokenizer with a word per id of the model's vocabulary (`t<id>`): any sampled id decodes."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
