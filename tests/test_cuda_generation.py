@@ -56,8 +56,13 @@ def float32_generator(tmp_path, cls, greedy: bool):
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=24, bf16=False, report_to=[], save_strategy="no",
                       generation_kwargs={"do_sample": False} if greedy else None)  # fmt: skip
-    return cls(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
-               train_dataset=Dataset.from_dict({"prompt": ["w5"] * 8}), processing_class=word_tokenizer(1000))
+    return cls(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["w5"] * 8}),
+        processing_class=word_tokenizer(1000),
+    )
 
 
 @pytest.mark.parametrize("greedy", [True, False])
