@@ -163,7 +163,7 @@ class BusyStep:
         torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
         device = [e for e in self.profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        self.ms = sum(e.device_time for e in device) / 1e3
+        self.ms = sum(e.time_range.elapsed_us() for e in device) / 1e3
 
 
 def run_row(row: str, model_name: str, steps: int) -> dict:
