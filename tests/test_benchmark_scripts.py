@@ -97,7 +97,7 @@ def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
 
 USER_BENCHMARKS = (
     "gpu", "gpu_methods", "timing", "cpu", "trl_step", "sft_step", "verl_head", "verl_triton", "side_by_side", "plots",
-    "unsloth_head",
+    "unsloth_head", "train",
 )  # fmt: skip
 
 
@@ -155,6 +155,27 @@ def test_precision_study_runs(tmp_path):
     rows = {r["setting"]: r["errors"] for r in json.loads((tmp_path / "precision.json").read_text())["rows"]}
     assert len(rows) == 8 and "| bf16 weight, round_logits=True |" in (tmp_path / "precision.md").read_text()
     assert rows["fp32 weight rounded to bf16"]["logp"][1] > 100 * rows["fp32 weight, float32 GEMMs"]["logp"][1]
+
+
+def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them(tmp_path):
+    """`benchmarks.train` on the CPU (a tiny Qwen2): each row a `train()` run in a process of its own, every step's
+    wall clock split into generation and the rest; `--report` writes the table and the picture."""
+    import json
+
+    from benchmarks import train
+
+    train.main(["--model", "tiny", "--steps", "3", "--rows", "grpo,grpo-compiled-decoding", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "train-tiny.json").read_text())["rows"]
+    assert [r["row"] for r in rows] == ["grpo", "grpo-compiled-decoding"] and all("error" not in r for r in rows)
+    for row in rows:
+        assert len(row["steps"]) == 3 and all(0 < s["generation_s"] < s["wall_s"] for s in row["steps"])
+        assert all(s["mean_completion"] > 0 for s in row["steps"])
+    train.main(["--report", str(tmp_path / "train-tiny.json"), "--out", str(tmp_path / "out")])
+    table = (tmp_path / "out" / "train.md").read_text()
+    assert "| tiny | GRPOTrainer | " in table and "| 1.00x |" in table
+    assert (tmp_path / "out" / "train.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        train.main(["--model", "tiny", "--rows", "grpo,nonsense"])
 
 
 def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(tmp_path):
