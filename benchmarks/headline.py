@@ -136,7 +136,8 @@ def train_step_table(root: Path) -> list[str]:
     runs = [load(root / f"docs/benchmarks/trl-step/trl-step-{m}-step4.json") for m in STEP_MODELS]
     rows = [r for run in runs for r in run["rows"]]
     caption = (
-        "**The step as `trainer.train()` runs it** (a whole optimizer step: TRL's `_prepare_inputs`, 4 micro-batches "
+        "**The training step, generation excluded** (a whole optimizer step of `trainer.train()` after its completions "
+        "are generated: TRL's `_prepare_inputs`, 4 micro-batches "
         "of 8 completions after 64-token prompts, their losses and backwards, AdamW; Qwen2.5 shapes, random bf16 "
         "weights; `dense`: 1024-token completions, `both`: q 0.2 with half the groups at advantage 0, `tail`: "
         "long-tailed lengths with one at the maximum, `tail-half0`: both at once; "
