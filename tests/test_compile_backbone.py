@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -33,10 +34,12 @@ def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, paddin
                                        packed_attention="sdpa", skip_zero_advantage=False,
                                        compile_backbone=True)  # fmt: skip
     said = [str(n.message) for n in notices if isinstance(n.message, regional_compile.BackboneNotice)]
-    assert len(said) == 2 and "2 Qwen2DecoderLayer layers compiled" in said[0], said  # each said once
-    assert re.search(r"the first forward on compiled layers took \d+\.\d s", said[1]), said
+    compiled_here = graphs() > before  # "trim" after "pack" in one process reuses its graphs (dynamic lengths)
+    assert compiled_here or padding == "trim"
+    assert len(said) == 1 + compiled_here and "2 Qwen2DecoderLayer layers compiled" in said[0], said  # said once
+    if compiled_here:
+        assert re.search(r"the first forward on compiled layers took \d+\.\d s, compiling \d+ graph", said[1]), said
     assert regional_compile.compiled(trainer.backbone_layers) and len(trainer.backbone_layers) == 2
-    assert graphs() > before or padding == "trim"  # "trim" reuses the graphs "pack" made (dynamic lengths)
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
     assert packed_share(trainer) == (1.0 if padding == "pack" else 0.0)
 
@@ -152,6 +155,17 @@ def test_generation_runs_on_eager_layers(tmp_path):
         with regional_compile.eager_layers(trainer):
             assert not any(layer._compiled_call_impl for layer in trainer.backbone_layers)
         assert regional_compile.compiled(trainer.backbone_layers)
+
+
+def test_a_first_forward_that_compiles_nothing_claims_no_compiling(tmp_path):
+    trainer = trainer_for(tmp_path, loss_type="dapo")
+    with layers_compiled(trainer, must_run=False):
+        trainer.backbone_timed = False
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert regional_compile.forward_or_fall_back(trainer, lambda: "no layer ran") == "no layer ran"
+    assert not [w for w in seen if isinstance(w.message, regional_compile.BackboneNotice)]
+    assert trainer.backbone_timed is False  # the first forward that compiles is still said
 
 
 def test_compile_backbone_takes_auto_or_a_bool(tmp_path):

@@ -34,7 +34,8 @@ def test_the_trl_blocks_are_found():
 @pytest.mark.parametrize("page, i, code", TRL_BLOCKS, ids=[f"{p.relative_to(ROOT)}#{i}" for p, i, _ in TRL_BLOCKS])
 def test_trl_block_trains_a_tiny_model(page, i, code, tmp_path, monkeypatch):
     """The block as written, with the user's objects (model, tokenizer, reward, prompts) made tiny here and the run
-    cut to one optimizer step on the CPU (GRPOConfig's size arguments overridden; the block's own settings kept)."""
+    cut to one optimizer step (GRPOConfig's size arguments overridden; the block's own settings, its device and
+    precision among them, kept: on this CPU-only machine the block must pick them itself)."""
     pytest.importorskip("trl")
     import trl
 
@@ -46,9 +47,9 @@ def test_trl_block_trains_a_tiny_model(page, i, code, tmp_path, monkeypatch):
 
     real = trl.GRPOConfig
 
-    def tiny_run(**kwargs):
+    def tiny_run(**kwargs):  # the run's size only: the device and precision are the block's own
         kwargs.update(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+                      max_completion_length=4, report_to=[], save_strategy="no")  # fmt: skip
         return real(**kwargs)
 
     monkeypatch.setattr(trl, "GRPOConfig", tiny_run)
@@ -57,6 +58,6 @@ def test_trl_block_trains_a_tiny_model(page, i, code, tmp_path, monkeypatch):
     tokenizer = example.local_tokenizer()
     prompts = Dataset.from_dict({"prompt": ["a b c", "d e f", "1 2 a", "g h i"]})
     scope = {"model": example.tiny_llama(len(tokenizer)), "tokenizer": tokenizer, "reward": example.digit_reward,
-             "digit_reward": example.digit_reward, "dataset": prompts, "prompts": prompts}  # fmt: skip
+             "ascending_digits": example.ascending_digits, "dataset": prompts, "prompts": prompts}  # fmt: skip
     exec(compile(code, f"{page.name} block {i}", "exec"), scope)  # noqa: S102 - the documentation's own code
     assert scope["trainer"].state.global_step == 1

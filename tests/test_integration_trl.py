@@ -210,6 +210,23 @@ def test_the_trainer_captures_small_heads_by_default(tmp_path):
     assert not captures_by_default(torch.empty(10, 3584, device="meta"))
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"schedule": "memory"}, r"loss_options: 'schedule' is an argument of CompiledGRPOTrainer itself: pass "
+                                 r"CompiledGRPOTrainer\(\.\.\., schedule=\.\.\.\)"),
+        ({"compiled": False}, r"'compiled' is an argument of CompiledGRPOTrainer itself"),
+        ({"loss_type": "grpo"}, r"loss_options: 'loss_type' is a loss setting, which CompiledGRPOTrainer reads from "
+                                r"its GRPOConfig"),
+        ({"logits_budget": 1}, r"loss_options got unknown keyword\(s\): 'logits_budget' \(did you mean "
+                               r"'logits_budget_bytes'\?\)"),
+    ],
+)  # fmt: skip
+def test_loss_options_say_where_a_misplaced_key_belongs(tmp_path, options, said):
+    with pytest.raises(TypeError, match=said):
+        make_trainer(CompiledGRPOTrainer, tmp_path, tiny_model(dtype=torch.float32), loss_options=options)
+
+
 def tiny_moe(seed=0):
     torch.manual_seed(seed)
     config = MixtralConfig(

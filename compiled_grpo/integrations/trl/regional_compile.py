@@ -23,6 +23,7 @@ import time
 import warnings
 
 import torch
+import torch._dynamo.utils
 
 from ... import kernels
 
@@ -118,7 +119,7 @@ def forward_or_fall_back(trainer, forward):
     layers = getattr(trainer, "backbone_layers", None) or []
     if not compiled(layers):
         return forward()
-    start = time.perf_counter()
+    start, graphs = time.perf_counter(), compiled_graphs()
     try:
         with backward_compiled_with_forward():
             result = forward()
@@ -130,13 +131,20 @@ def forward_or_fall_back(trainer, forward):
         say(f"compile_backbone: compiling the decoder layers failed ({type(error).__name__}: "
             f"{type(cause).__name__}: {first[:300]}); they run eagerly from here")  # fmt: skip
         return forward()
-    if not trainer.backbone_timed:
+    new_graphs = compiled_graphs() - graphs
+    if not trainer.backbone_timed and new_graphs:  # said where it compiled (this process may hold the code already)
         trainer.backbone_timed = True
         say(
-            f"compile_backbone: the first forward on compiled layers took {time.perf_counter() - start:.1f} s "
-            "(compiling, the backward with it; a new kind of call, e.g. without grad, compiles once more)"
+            f"compile_backbone: the first forward on compiled layers took {time.perf_counter() - start:.1f} s, "
+            f"compiling {new_graphs} graph(s), the backward with them; a new kind of call, e.g. without grad, "
+            "compiles once more"
         )
     return result
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def backward_compiled_with_forward():

@@ -27,9 +27,9 @@ import time
 import warnings
 
 import torch
-import torch._dynamo.utils
 
 from ... import kernels
+from .regional_compile import compiled_graphs as graphs
 
 PROMPT_BUCKET_FLOOR = 256  # the smallest prompt bucket: prompts of up to 256 tokens share one cache length
 COMPILE_ERRORS = (
@@ -155,11 +155,6 @@ def drop_repeated_input_grad_hooks(model: torch.nn.Module) -> None:
             del hooks[key]
             module._forward_hooks_with_kwargs.pop(key, None)
             module._forward_hooks_always_called.pop(key, None)
-
-
-def graphs() -> int:
-    """Graphs dynamo has compiled in this process so far."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def record(trainer, shape: tuple[int, int], new_graphs: int, seconds: float) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from ...loss import FusedLinearGRPOLoss
+from ... import checks
+from ...config import SETTING_NAMES
+from ...loss import CONSTRUCTOR_OPTIONS, FusedLinearGRPOLoss
 from ...schedules import sparse
 from ...tiling import Tiles
 
@@ -60,6 +62,24 @@ def loss_settings(trainer: GRPOTrainer) -> dict:
         "logit_scale": logit_scale,
         "final_logit_softcapping": softcap,
     }
+
+
+TRAINER_ARGUMENTS = ("compiled", "schedule")  # FusedLinearGRPOLoss's options that are the trainer's own arguments
+
+
+def check_loss_options(loss_options: dict | None) -> None:
+    """A TypeError naming `loss_options` for a key the trainer takes elsewhere (its own argument, or a setting it reads
+    from the GRPOConfig or the model's config) or that FusedLinearGRPOLoss does not know."""
+    for key in loss_options or {}:
+        if key in TRAINER_ARGUMENTS:
+            raise TypeError(f"loss_options: {key!r} is an argument of CompiledGRPOTrainer itself: pass "
+                            f"CompiledGRPOTrainer(..., {key}=...) instead")  # fmt: skip
+        if key in SETTING_NAMES:
+            raise TypeError(f"loss_options: {key!r} is a loss setting, which CompiledGRPOTrainer reads from its "
+                            "GRPOConfig (TRL's names: epsilon_low is `epsilon`) or, for the logit scale and softcap, "
+                            "from the model's config: set it there")  # fmt: skip
+    options = tuple(name for name in CONSTRUCTOR_OPTIONS if name not in TRAINER_ARGUMENTS)
+    checks.unknown_names(loss_options or {}, options, "loss_options")
 
 
 def read_back(metrics: dict) -> dict:

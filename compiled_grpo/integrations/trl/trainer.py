@@ -16,7 +16,7 @@ from . import padding_free as real_tokens
 from . import plan as micro_batch_plan
 from .head import compiled_fused_head
 from .hidden_states import completion_hidden_states
-from .settings import captures_by_default, loss_settings, settle, trainer_budget, unwrapped
+from .settings import captures_by_default, check_loss_options, loss_settings, settle, trainer_budget, unwrapped
 
 if trl.__version__ != "1.16.0":
     warnings.warn(
@@ -47,6 +47,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
                  compile_backbone="auto", compile_generation="auto", **kwargs):  # fmt: skip
         regional_compile.check_mode(compile_backbone)
         rollouts.check_mode(compile_generation)
+        check_loss_options(loss_options)
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
         super().__init__(*args, **kwargs)
