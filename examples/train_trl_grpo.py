@@ -56,7 +56,8 @@ def ascending_digits(completions, **kwargs) -> list[float]:
     rewards = []
     for completion in completions:
         digits = [int(word) for word in completion.split() if word.isdigit()]
-        rewards.append(float(sum(later > earlier for earlier, later in zip(digits, digits[1:]))))
+        pairs = zip(digits, digits[1:], strict=False)  # each digit with the one after it
+        rewards.append(float(sum(later > earlier for earlier, later in pairs)))
     return rewards
 
 
