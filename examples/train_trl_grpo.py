@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 from datasets import Dataset
@@ -68,6 +69,9 @@ def main(argv=None):
     ap.add_argument("--out", default="trl-grpo-run", help="TRL's output_dir")
     ap.add_argument("--eager", action="store_true", help="run the loss's tiles eagerly (no torch.compile)")
     args = ap.parse_args(argv)
+    # TRL 1.16 calls transformers' gradient-checkpointing methods by their old names, which transformers 5.24 renamed
+    # (`activation_checkpointing_*`): a deprecation notice on every step that nothing here can act on.
+    warnings.filterwarnings("ignore", r"`(is_)?gradient_checkpointing\w*` is deprecated", FutureWarning)
     on_gpu = torch.cuda.is_available()
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32)

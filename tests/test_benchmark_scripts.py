@@ -337,6 +337,9 @@ def test_the_liger_row_patches_liger_in_for_its_own_steps_only():
     file's RoPE) inside the row's steps, and the shared model as it was after each."""
     import sys
 
+    needs = 'Liger\'s kernels need liger-kernel and Triton: `pip install -e ".[liger]"` (.ci/run runs this test so)'
+    pytest.importorskip("liger_kernel.transformers", reason=needs)
+
     from benchmarks import trl_step
 
     model, _, _ = trl_step.make_model("tiny", "cpu")

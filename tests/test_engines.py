@@ -123,7 +123,8 @@ def check_heads(out: Path, engine: str) -> None:
 
 
 def needs_deepspeed():
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the [test] extra installs it)")
+    pytest.importorskip("deepspeed", reason='DeepSpeed is not installed: `pip install -e ".[deepspeed]"` (.ci/run '
+                        "installs it)")  # fmt: skip
 
 
 ZERO_CASES = [(2, 1), (3, 1), (3, 2)]
