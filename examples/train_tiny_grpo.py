@@ -7,8 +7,9 @@ token plus one (mod the vocabulary). A random policy scores about 1/16.
 
     python examples/train_tiny_grpo.py [--steps 120] [--eager] [--out reward_curve.png]
 
-Needs torch, and matplotlib for the curve (`pip install -e ".[audit]"`). 25-40 s on a 2-core CPU (about 40 s the
-first time, which compiles the tiles; about 25 s once Inductor's cache holds them).
+Needs torch, and matplotlib for the curve (`pip install -e ".[audit]"`). How long it takes on a 2-core CPU is in
+README's quick-start table (measured by CI; the first run compiles the tiles, later ones find them in Inductor's
+cache).
 """
 
 from __future__ import annotations

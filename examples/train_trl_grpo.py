@@ -1,6 +1,6 @@
 """TRL 1.16's GRPOTrainer with compiled_grpo's fused loss: `CompiledGRPOTrainer` is a drop-in for `GRPOTrainer`.
 
-By default it runs offline on a CPU in under a minute: a tiny random Llama, a word-level tokenizer built here,
+By default it runs offline on a CPU: a tiny random Llama, a word-level tokenizer built here,
 and a toy reward (a completion earns one point per digit greater than the digit before it: digits in rising
 order, at most 9 points), with top_entropy_quantile = 0.2 (only the 20% highest-entropy tokens get a policy
 gradient). The reward climbs over the whole run without reaching its maximum, and each logging window shows the

@@ -178,6 +178,38 @@ def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them
         train.main(["--model", "tiny", "--rows", "grpo,nonsense"])
 
 
+def test_readme_quick_start_times_are_the_stored_ci_runs():
+    """README's quick-start table is written from docs/ci/quickstart.json, the .ci/run log that measured it."""
+    from benchmarks import quickstart
+
+    assert quickstart.main(["--check"]) == 0
+
+
+def test_quick_start_times_are_read_from_a_ci_log_and_an_incomplete_log_is_refused():
+    from benchmarks import quickstart
+
+    log = """+ pip install -e ".[audit,test]" && python -m audits
+PASS: 12/12 cells
+[ci] 200 s: pip install -e ".[audit,test]" && python -m audits
++ python -m pytest -n 2
+4000 passed, 80 skipped, 9 warnings in 600.12s (0:10:00)
+[ci] 601 s: python -m pytest -n 2
+[ci] 31 s: python examples/train_tiny_grpo.py
+[ci] 3 s: python -m pytest -n 2
+2 passed in 1.00s
+[ci] total 900 s
+"""
+    run = quickstart.read_log(log)
+    assert run["seconds"] == {'pip install -e ".[audit,test]" && python -m audits': 200,
+                              "python -m pytest -n 2": 601, "python examples/train_tiny_grpo.py": 31}  # fmt: skip
+    assert run["audit"] == "PASS: 12/12 cells" and run["tests"] == "4000 passed, 80 skipped, 9 warnings"
+    assert run["total_s"] == 900
+    table = quickstart.table({**run, "note": "a note", "date": "2026-12-04"})
+    assert "| `python -m pytest -n 2` | 601 | 4000 passed, 80 skipped, 9 warnings |" in table
+    with pytest.raises(ValueError, match="not a complete .ci/run log"):
+        quickstart.read_log(log.replace("[ci] 31 s: python examples/train_tiny_grpo.py\n", ""))
+
+
 def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(tmp_path):
     """`benchmarks.trl_step` on the CPU (a tiny Qwen2): one micro-batch per step, and a whole optimizer step over a
     generation batch of 2 micro-batches, each trainer's row written."""
