@@ -22,18 +22,18 @@ from compiled_grpo.integrations.trl import CompiledGRPOTrainer, rollouts
 GENERATIONS = 4
 
 
-def varied_model(seed=0):
+def varied_model(seed=0, **config):
     """A tiny float32 Qwen2 whose random weights are large enough that its greedy tokens vary along a sequence."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-        initializer_range=0.3,
+        initializer_range=0.3, **config,
     )  # fmt: skip
     return Qwen2ForCausalLM(config)
 
 
-def generator(tmp_path, cls, greedy=True, **options):
+def generator(tmp_path, cls, greedy=True, model=None, **options):
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=GENERATIONS, max_completion_length=8,
         report_to=[], use_cpu=True, bf16=False, save_strategy="no",
@@ -41,8 +41,8 @@ def generator(tmp_path, cls, greedy=True, **options):
     )  # fmt: skip
     extra = {"compiled": False, **options} if cls is CompiledGRPOTrainer else {}
     data = Dataset.from_dict({"prompt": ["a b"] * 8})
-    return cls(model=varied_model(), reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
-               train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
+    return cls(model=model or varied_model(), reward_funcs=lambda completions, **k: [0.0] * len(completions),
+               args=args, train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
 
 
 def prompts(longest: int, seed: int, count=8) -> list[list[int]]:
@@ -132,6 +132,34 @@ def test_train_on_compiled_generation_equals_grpo_trainer(tmp_path, tmp_root):  
     assert trainer.compile_generation and len(trainer.generation_compiles.compiles) == 1
     assert trainer.generation_compiles.calls >= 3  # one generation a step, every one on the first compile
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
+
+
+@pytest.mark.compiled
+def test_train_a_lora_adapter_on_compiled_generation_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
+    """A PEFT model (LoRA on q and v, unmerged): its decode step compiles with the adapters in it and samples TRL's
+    tokens, so every step's loss and adapter gradients are GRPOTrainer's."""
+    pytest.importorskip("peft", reason="peft is in the test extras")
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, True, compile_generation=True)
+    assert trainer.compile_generation and len(trainer.generation_compiles.compiles) == 1
+    assert trainer.generation_compiles.fallback is None and any("lora_" in name for name in grads[0])
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root, True))
+
+
+@pytest.mark.compiled
+def test_a_sliding_window_models_greedy_tokens_equal_eager_generation(tmp_path):
+    """Qwen2 with sliding-window attention in every layer (a window shorter than the prompts): transformers' static
+    cache keeps the window's layers, and the compiled decode step gives TRL's tokens."""
+
+    def windowed(cls, folder, **options):
+        model = varied_model(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+        assert all(layer.self_attn.sliding_window == 8 for layer in model.model.layers)
+        return generator(tmp_path / folder, cls, model=model, **options)
+
+    ours = windowed(CompiledGRPOTrainer, "ours", compile_generation=True)
+    theirs = windowed(GRPOTrainer, "theirs")
+    for seed, longest in enumerate((20, 60)):
+        assert completions(ours, prompts(longest, seed)) == completions(theirs, prompts(longest, seed))
+    assert decoded_compiled(ours) and ours.generation_compiles.fallback is None
 
 
 def test_the_default_leaves_cpu_generation_as_trl_runs_it(tmp_path):

@@ -46,7 +46,6 @@ class CompiledGRPOTrainer(GRPOTrainer):
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
                  compile_backbone="auto", compile_generation="auto", **kwargs):  # fmt: skip
         regional_compile.check_mode(compile_backbone)
-        rollouts.check_mode(compile_generation)
         check_loss_options(loss_options)
         zero_advantage.check_mode(skip_zero_advantage)
         real_tokens.check_options(padding_free, packed_attention, packed_bucket)
@@ -99,15 +98,11 @@ class CompiledGRPOTrainer(GRPOTrainer):
         micro_batch_plan.annotate(self, self._buffered_inputs, with_zeros=self.skip_reason is None)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _generate(self, prompts: list):
-        """TRL's generation, its decoder layers' own compiled calls set aside (transformers compiles the whole decode
-        step where `compile_generation` does; otherwise generation is eager, as in TRL)."""
+    def _generate(self, prompts: list):  # the layers' own compiled calls set aside (`rollouts` compiles decoding)
         with regional_compile.eager_layers(self):
             return super()._generate(prompts)
 
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        """One turn of TRL's generation, on compiled decoding with a pinned cache where the trainer compiles it
-        (`rollouts`)."""
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # on compiled decoding where it runs (`rollouts`)
         run = lambda: super(CompiledGRPOTrainer, self)._generate_single_turn(prompt_ids, *args, **kwargs)  # noqa: E731
         return rollouts.generate(self, run, prompt_ids)
 
