@@ -44,13 +44,15 @@ RUNS = {
         {},
         False,
     ),  # fmt: skip
+    # generation on the compiled decode step (Inductor on a CPU) while the engine gathers the parameters for it
+    "generation": (CompiledGRPOTrainer, {"compile_generation": True}, {}, False),
     "grpo-fp32-head": (GRPOTrainer, {}, {"cast_lm_head_to_fp32": True}, False),
     "fp32-head": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}, {"cast_lm_head_to_fp32": True}, False),
     "grpo-tied": (GRPOTrainer, {}, {}, True),
     "tied": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward", "schedule": "memory"}, {}, True),
 }
 REFERENCE = {"compiled": "grpo", "skip-backward": "grpo", "skip-all": "grpo", "memory": "grpo", "packed": "grpo",
-             "backbone": "grpo", "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
+             "backbone": "grpo", "generation": "grpo", "fp32-head": "grpo-fp32-head", "tied": "grpo-tied"}  # fmt: skip
 
 
 def on_gpu() -> bool:
@@ -77,8 +79,12 @@ def train(name: str, out: Path) -> None:
         steps = [{k: h.get(k) for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
         packed = [h["padding_free/packed_fraction"] for h in trainer.state.log_history if "padding_free/packed_"
                   "fraction" in h]  # fmt: skip
+        compiles = getattr(trainer, "generation_compiles", None)
+        generation = compiles and {"compiled": trainer.compile_generation, "calls": compiles.calls,
+                                   "compiles": len(compiles.compiles), "fallback": compiles.fallback}  # fmt: skip
         write(out, name, {"ranks": trainer.accelerator.num_processes, "engine": engine(trainer.accelerator),
-                          "steps": steps, "packed": sum(packed) / max(len(packed), 1)})  # fmt: skip
+                          "steps": steps, "packed": sum(packed) / max(len(packed), 1),
+                          "generation": generation})  # fmt: skip
 
 
 def engine(accelerator) -> str:

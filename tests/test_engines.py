@@ -108,6 +108,8 @@ def check_trainers(out: Path, engine: str, world: int) -> None:
         assert len(ours) == len(theirs) == 3, name
         assert any(s["grad_norm"] > 0 for s in theirs), "no step with a gradient: nothing compared"
         assert name != "packed" or runs[name]["packed"] > 0, "the packed run did not pack"
+        generation = runs[name]["generation"]  # the compiled decode step ran, and compiled once, under the engine
+        assert name != "generation" or (generation["compiled"] and generation["compiles"] == 1), generation
         logged = LOGGED[:2] if name == "skip-all" else LOGGED
         for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             for key in logged:
