@@ -2,7 +2,8 @@
 
 `.ci/run` prints `[ci] <seconds> s: <command>` after each command, the audit its `PASS: n/n` line and pytest its
 summary line. This reads such a log into `docs/ci/quickstart.json` (the stored run) and writes README's table
-between its markers from it; `--check` fails when README's table and the stored run disagree (a test runs it).
+between its markers from it (nothing, where no run is stored); `--check` fails when README's table and the stored
+run disagree (a test runs it).
 
     bash .ci/run 2>&1 | tee ci.log     # in a fresh clone, Inductor's cache emptied first
     python -m benchmarks.quickstart --log ci.log --note "..."
@@ -61,11 +62,13 @@ def table(run: dict) -> str:
     return "\n".join(lines)
 
 
-def readme_with(readme: str, run: dict) -> str:
+def readme_with(readme: str, run: dict | None) -> str:
+    """README with the stored run's table between the markers; with no stored run, nothing between them."""
     if START not in readme or END not in readme[readme.index(START) :]:
         raise ValueError(f"README.md has no quick-start times markers ({START})")
     before, rest = readme.split(START, 1)
-    return before + START + "\n" + table(run) + "\n" + END + rest.split(END, 1)[1]
+    body = "" if run is None else table(run) + "\n"
+    return before + START + "\n" + body + END + rest.split(END, 1)[1]
 
 
 def main(argv=None) -> int:
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
         run = {**read_log(Path(args.log).read_text()), "note": args.note, "date": args.date or run_date()}
         STORED.parent.mkdir(parents=True, exist_ok=True)
         STORED.write_text(json.dumps(run, indent=1) + "\n")
-    run = json.loads(STORED.read_text())
+    run = json.loads(STORED.read_text()) if STORED.exists() else None
     wanted = readme_with(readme_path.read_text(), run)
     if args.check:
         if wanted != readme_path.read_text():
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
             return 1
         return 0
     readme_path.write_text(wanted)
-    print(table(run))
+    print(table(run) if run else "no stored run: README shows no quick-start times")
     return 0
 
 
