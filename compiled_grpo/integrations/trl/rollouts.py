@@ -53,10 +53,6 @@ class GenerationCompiles:
     calls: int = 0
     fallback: str | None = None
 
-    @property
-    def graphs(self) -> int:
-        return sum(graphs for _, graphs, _ in self.compiles)
-
 
 def say(message: str) -> None:
     warnings.warn(f"compiled_grpo: {message}", GenerationNotice, stacklevel=kernels.frames_to_caller())
