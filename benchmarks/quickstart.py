@@ -1,7 +1,8 @@
 """README's quick-start times, from the `.ci/run` log that measured them.
 
 `.ci/run` prints `[ci] <seconds> s: <command>` after each command, the audit its `PASS: n/n` line and pytest its
-summary line. This reads such a log into `docs/ci/quickstart.json` (the stored run) and writes README's table
+summary line. This reads such a log into `docs/ci/quickstart.json` (the stored run; its commands, times and
+summary lines are kept in `docs/ci/ci-run.log`) and writes README's table
 between its markers from it (nothing, where no run is stored); `--check` fails when README's table and the stored
 run disagree (a test runs it).
 
@@ -47,9 +48,9 @@ def read_log(text: str) -> dict:
 
 def table(run: dict) -> str:
     cells = {
-        'pip install -e ".[audit,test]" && python -m audits': f"the install's downloads included; {run['audit']}",
+        'pip install -e ".[audit,test]" && python -m audits': f"the install included; {run['audit']}",
         "python -m pytest -n 2": run["tests"],
-        "python examples/train_tiny_grpo.py": "compiles the tiles first (Inductor's cache was emptied)",
+        "python examples/train_tiny_grpo.py": "after the tests, which left compiled tiles in Inductor's cache",
     }
     lines = [
         f"How long they take on a 2-core CPU, measured by `.ci/run` in a fresh clone ({run['note']}; run "
@@ -85,6 +86,12 @@ def main(argv=None) -> int:
         run = {**read_log(Path(args.log).read_text()), "note": args.note, "date": args.date or run_date()}
         STORED.parent.mkdir(parents=True, exist_ok=True)
         STORED.write_text(json.dumps(run, indent=1) + "\n")
+        kept = [
+            line
+            for line in Path(args.log).read_text().splitlines()
+            if re.match(r"\[ci\]|\+ |PASS|FAIL|=* ?\d+ passed", line)
+        ]
+        STORED.with_name("ci-run.log").write_text("\n".join(kept) + "\n")  # the log's commands, times and summaries
     run = json.loads(STORED.read_text()) if STORED.exists() else None
     wanted = readme_with(readme_path.read_text(), run)
     if args.check:
