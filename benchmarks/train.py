@@ -94,20 +94,20 @@ class StepClock:
 
     def __init__(self, trainer, on_gpu: bool):
         import torch
-        import torch._dynamo.utils
         from transformers import TrainerCallback
 
+        from compiled_grpo.integrations.trl.regional_compile import compiled_graphs
+
         self.steps, self.generation, self.compiled, self.sync = [], 0.0, 0, torch.cuda.synchronize if on_gpu else None
-        counters = torch._dynamo.utils.counters["stats"]
         original = trainer._generate_single_turn
 
         def timed_generation(*args, **kwargs):
             self.settle()
-            start, graphs = time.perf_counter(), counters["unique_graphs"]
+            start, graphs = time.perf_counter(), compiled_graphs()
             result = original(*args, **kwargs)
             self.settle()
             self.generation += time.perf_counter() - start
-            self.compiled += counters["unique_graphs"] - graphs
+            self.compiled += compiled_graphs() - graphs
             return result
 
         trainer._generate_single_turn = timed_generation
@@ -368,8 +368,8 @@ def main(argv=None) -> None:
     if args.report:
         report(args)
     elif args.child:
-        for row in args.rows.split(",") + ["default-warm"]:
-            ROWS[row]  # noqa: B018  (an unknown row fails here, before any work)
+        if args.child not in ROWS:
+            parser.error(f"--child: unknown row {args.child!r}")
         result = run_row("default" if args.child == "default-warm" else args.child, args.model, args.steps)
         Path(args.child_out).write_text(json.dumps({**result, "row": args.child}))
     else:
