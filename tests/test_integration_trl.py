@@ -39,7 +39,8 @@ def digit_reward(completions, **kwargs):
 
 
 def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_options=None, reward=None, skip=None,
-                 **settings):  # fmt: skip
+                 options=None, **settings):  # fmt: skip
+    """A trainer of `cls` on a tiny dataset; `settings` are GRPOConfig's, `options` CompiledGRPOTrainer's own."""
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=max_steps, learning_rate=5e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
@@ -57,6 +58,7 @@ def make_trainer(cls, tmp_path, model, max_steps=1, peft_config=None, loss_optio
         extra["loss_options"] = loss_options
     if skip is not None:  # "off" for False
         extra["skip_zero_advantage"] = False if skip == "off" else skip
+    extra.update(options or {})
     return cls(model=model, reward_funcs=reward or digit_reward, args=args, train_dataset=data,
                processing_class=tokenizer(), **extra)  # fmt: skip
 

@@ -33,8 +33,10 @@ import sys
 import torch
 
 from ...packing import to_device
+from . import shared_masks
 
 PACKED_KWARG = "compiled_grpo_packed_attention"
+KEY_INDEX = "compiled_grpo_key_index"  # where segments share a prompt: the packed positions of each one's keys
 VARLEN = "varlen"
 PREFIX = "compiled_grpo_over_"
 _packed_mask_of = contextvars.ContextVar("compiled_grpo_packed_mask_of", default=None)
@@ -138,14 +140,21 @@ def mask(own: str, *args, **kwargs):
 
 
 def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q, max_length_q, scaling=None,
-                     sliding_window=None, dropout=0.0, **_):  # fmt: skip
+                     sliding_window=None, dropout=0.0, **kwargs):  # fmt: skip
     """One packed row's attention ([1, heads, N, head_dim] query, key and value, as transformers hands them) by
     `varlen_attn`: each sequence of `cu_seq_lens_q` causal within itself (and within `sliding_window` positions);
-    ([1, N, heads, head_dim], None) as transformers' attention functions return."""
+    where segments share a prompt, each attends to the keys `KEY_INDEX` gathers for it (`cu_seq_lens_k`: its shared
+    prompt's, then its own), causal from the end (its last query sees every key); ([1, N, heads, head_dim], None) as
+    transformers' attention functions return."""
     if dropout:
         raise ValueError("packed_attention='varlen' runs no attention dropout; the model's is on in training")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, head_dim]
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+    cu_k, max_k, index = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k"), kwargs.get(KEY_INDEX)
+    if index is not None:
+        k, v = k.index_select(0, index), v.index_select(0, index)
+    else:
+        cu_k, max_k = cu_seq_lens_q, max_length_q
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_k, scale=scaling,
                       **causal_options(sliding_window, k.shape[1] != q.shape[1]))  # fmt: skip
     return out.unsqueeze(0), None
 
@@ -185,7 +194,11 @@ def no_masks(config) -> dict:
 def forward_kwargs(name: str | None, packed, config) -> dict:
     """The keyword arguments that make a forward's layers attend with `name` (none for the model's own) over
     `packed` (`packing.PackedRows`): for `VARLEN`, its sequences' boundaries too, copied to the device without a
-    wait, and (where the model's `config` is known) an empty mask mapping (`no_masks`)."""
+    wait, and (where the model's `config` is known) an empty mask mapping (`no_masks`). Segments that share a
+    prompt (`packed.keys`) take their keys' boundaries and positions too (`VARLEN`) or a mask of their own for
+    each layer type (`shared_masks`)."""
+    if packed.keys is not None:
+        return shared_forward_kwargs(name, packed, config)
     if name is None:
         return {}
     if name != VARLEN:
@@ -193,6 +206,25 @@ def forward_kwargs(name: str | None, packed, config) -> dict:
     bounds = to_device(packed.cu_seqlens, packed.input_ids.device)
     kwargs = {PACKED_KWARG: name, "cu_seq_lens_q": bounds, "max_length_q": packed.longest}
     return kwargs if config is None else {**kwargs, "attention_mask": no_masks(config)}
+
+
+def shared_forward_kwargs(name: str | None, packed, config) -> dict:
+    """`forward_kwargs` of a packed row whose segments share prompts."""
+    keys, device = packed.keys, packed.input_ids.device
+    runs = name or own_implementation_of(config)
+    chosen = {} if name is None else {PACKED_KWARG: name}
+    if runs != VARLEN:
+        return {**chosen, "attention_mask": shared_masks.masks(runs, packed, config)}
+    bounds = to_device(torch.cat([packed.cu_seqlens, keys.cu_seqlens, keys.index.to(torch.int32)]), device)
+    q, k = len(packed.cu_seqlens), len(keys.cu_seqlens)
+    boundaries = {"cu_seq_lens_q": bounds[:q], "max_length_q": packed.longest, "cu_seq_lens_k": bounds[q : q + k],
+                  "max_length_k": keys.longest, KEY_INDEX: bounds[q + k :].long()}  # fmt: skip
+    return {**chosen, **boundaries, "attention_mask": no_masks(config)}
+
+
+def own_implementation_of(config) -> str:
+    """The attention implementation a model of `config` runs (through the dispatcher, the one it falls back to)."""
+    return (config._attn_implementation or "eager").removeprefix(PREFIX)
 
 
 def runs_on(name: str | None, device: torch.device, sixteen_bit: bool) -> str | None:

@@ -56,37 +56,121 @@ def can_pack(lengths: Lengths) -> bool:
     return lengths.contiguous and bool((lengths.prompt > 0).all())
 
 
+class SharedKeys(NamedTuple):
+    """Where a packed row's segments attend when some share a prompt (`pack` with groups): each segment's keys, the
+    prompt it shares (if any) then its own tokens, as packed positions segment after segment ([keys], host) with
+    their boundaries ([segments + 1], int32) and the longest; and each packed position's group and segment ([N],
+    host; a shared prompt's positions are in segment -1), from which a dense mask is built."""
+
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    longest: int
+    group: torch.Tensor
+    segment: torch.Tensor
+
+
 class PackedRows(NamedTuple):
     """Rows of a micro-batch as one row of the model: its input_ids and position_ids [1, N] (N a multiple of the
-    bucket) and, on the host, where each row's tokens start in it, and where each sequence of the row starts (the
-    rows' and the bucket's dummy sequence: [sequences + 1], int32, ending at N) and the longest sequence's length."""
+    bucket) and, on the host, where each row's tokens start in it (the packed index of its prompt's first token, or
+    where it would be: a completion's tokens and its prompt's last token are at `starts + column of the row's real
+    tokens`), where each segment of the row starts (a sequence, a shared prompt, a member of a group, the bucket's
+    dummy sequence: [segments + 1], int32, ending at N), the longest segment's length, and the keys of segments that
+    share a prompt (None: each segment attends to itself alone)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     starts: torch.Tensor
     cu_seqlens: torch.Tensor
     longest: int
+    keys: SharedKeys | None = None
 
 
-def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int) -> PackedRows:
-    """`rows` (host indices) of the micro-batch's [B, P + C] prompt-and-completion ids, packed (`PackedRows`). The
-    row is padded to a multiple of `bucket` by a sequence of its own (positions from 0), which nothing reads."""
+def segments(lengths: Lengths, rows: torch.Tensor, groups: torch.Tensor | None) -> list[tuple[int, int, int, int, int]]:
+    """The packed row's segments in order, each (row, first column, tokens, first position, the index of the shared
+    prompt it also attends to or -1). Rows of a group (`groups[row]`: the first row with the same prompt) of two or
+    more with a prompt of two or more tokens share it: the prompt but its last token once, then each row's last
+    prompt token and completion, positions continuing from the prompt's (so each completion's first token has a
+    position of its own that predicts it); other rows are one segment each, positions from 0."""
     P, _ = widths(lengths)
-    prompt, completion = lengths.prompt[rows], lengths.completion[rows]
-    span = prompt + completion
-    starts = torch.cumsum(span, 0) - span
-    total = int(span.sum())
-    sequence = torch.repeat_interleave(torch.arange(len(rows)), span)
-    within = torch.arange(total) - starts[sequence]
-    flat = rows[sequence] * ids.shape[1] + (P - prompt)[sequence] + within
+    prompt, completion = lengths.prompt.tolist(), lengths.completion.tolist()
+    members: dict[int, list[int]] = {}
+    for i, row in enumerate(rows.tolist()):  # without groups, a row given twice is packed twice, apart
+        members.setdefault(i if groups is None else int(groups[row]), []).append(row)
+    out = []
+    for group in members.values():
+        p = prompt[group[0]]
+        if len(group) == 1 or p < 2:
+            out += [(row, P - prompt[row], prompt[row] + completion[row], 0, -1) for row in group]
+            continue
+        shared = len(out)
+        out.append((group[0], P - p, p - 1, 0, -1))
+        out += [(row, P - 1, 1 + completion[row], p - 1, shared) for row in group]
+    return out
+
+
+def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int, groups=None) -> PackedRows:
+    """`rows` (host indices) of the micro-batch's [B, P + C] prompt-and-completion ids, packed (`PackedRows`); where
+    `groups` (host [B], each row's first row with the same prompt) is given, rows of a group share their prompt
+    (`segments`). The row is padded to a multiple of `bucket` by a sequence of its own (positions from 0), which
+    nothing reads."""
+    P, _ = widths(lengths)
+    parts = segments(lengths, rows, groups)
+    total = sum(part[2] for part in parts)
     pad = -total % bucket if total else bucket
-    flat = torch.cat([flat, torch.full((pad,), int(rows[0]) * ids.shape[1] + P - 1 if len(rows) else 0)])
-    positions = torch.cat([within, torch.arange(pad)])
+    if pad:
+        parts.append((int(rows[0]) if len(rows) else 0, P - 1, pad, 0, -1))
+    table = torch.tensor(parts, dtype=torch.long).reshape(-1, 5)
+    size = table[:, 2]
+    offset = torch.cumsum(size, 0) - size
+    which = torch.repeat_interleave(torch.arange(len(table)), size)
+    within = torch.arange(int(size.sum())) - offset[which]
+    flat = table[which, 0] * ids.shape[1] + table[which, 1] + within
+    positions = table[which, 3] + within
+    if pad:
+        flat[len(flat) - pad :] = table[-1, 0] * ids.shape[1] + P - 1  # the dummy sequence repeats one token
     index = to_device(torch.stack([flat, positions]), ids.device)
     packed_ids = ids.reshape(-1).index_select(0, index[0]).unsqueeze(0)
-    lengths = torch.cat([span, torch.tensor([pad])]) if pad else span
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(torch.int32)
-    return PackedRows(packed_ids, index[1].unsqueeze(0), starts, cu_seqlens, int(lengths.max()) if len(lengths) else 0)
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(size, 0)]).to(torch.int32)
+    starts = row_starts(table[: len(table) - (1 if pad else 0)], offset, rows)
+    keys = shared_keys(table, offset, which) if bool((table[:, 4] >= 0).any()) else None
+    longest = int(size.max()) if len(size) else 0
+    return PackedRows(packed_ids, index[1].unsqueeze(0), starts, cu_seqlens, longest, keys)
+
+
+def row_starts(table: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Where each of `rows` starts (`PackedRows.starts`): its segment's offset less the positions before it."""
+    starts = torch.zeros(len(rows), dtype=torch.long)
+    shares = table[:, 4] >= 0  # a row's own segment: its member segment where it shares, its only one elsewhere
+    shared_prompt = torch.zeros(len(table), dtype=torch.bool)
+    shared_prompt[table[shares, 4]] = True
+    slot = {row: i for i, row in enumerate(rows.tolist())}
+    for i in torch.nonzero(~shared_prompt).flatten().tolist():
+        starts[slot[int(table[i, 0])]] = offset[i] - table[i, 3]
+    return starts
+
+
+def shared_keys(table: torch.Tensor, offset: torch.Tensor, which: torch.Tensor) -> SharedKeys:
+    """The keys of segments that share a prompt (`SharedKeys`), from the segment table."""
+    runs, lengths = [], []
+    for i, (_, _, size, _, shared) in enumerate(table.tolist()):
+        mine = torch.arange(int(offset[i]), int(offset[i]) + size)
+        theirs = torch.arange(int(offset[shared]), int(offset[shared] + table[shared, 2])) if shared >= 0 else mine[:0]
+        runs.append(torch.cat([theirs, mine]))
+        lengths.append(len(runs[-1]))
+    sizes = torch.tensor(lengths)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(sizes, 0)]).to(torch.int32)
+    shares = table[:, 4] >= 0
+    group = torch.where(shares, table[:, 4], torch.arange(len(table)))
+    shared_prompt = torch.bincount(table[shares, 4], minlength=len(table)) > 0
+    segment = torch.where(shared_prompt, -1, torch.arange(len(table)))
+    return SharedKeys(torch.cat(runs), cu, int(sizes.max()), group[which], segment[which])
+
+
+def saved_tokens(lengths: Lengths, rows: torch.Tensor, groups: torch.Tensor | None) -> int:
+    """The prompt tokens `rows` packed with `groups` do not forward again (k rows of a p-token prompt forward
+    p - 1 + k of its k p tokens)."""
+    alone = int(lengths.prompt[rows].sum() + lengths.completion[rows].sum())
+    return alone - sum(part[2] for part in segments(lengths, rows, groups))
 
 
 class Targets(NamedTuple):

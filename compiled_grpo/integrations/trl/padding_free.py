@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from . import packed_attention, settings, zero_advantage
+from . import packed_attention, settings, shared_prompts, zero_advantage
 from .hidden_states import hidden_states_at_head
-from .packing import PackedRows, can_pack, pack, targets
+from .packing import PackedRows, can_pack, pack, saved_tokens, targets
 from .plan import Lengths
 
 MODES = ("auto", "pack", "trim", False)
@@ -45,7 +45,8 @@ class PaddingFreeNotice(UserWarning):
     """Why CompiledGRPOTrainer trims rather than packs (or neither)."""
 
 
-def check_options(mode, attention, bucket) -> None:
+def check_options(mode, attention, bucket, share="auto") -> None:
+    shared_prompts.check_mode(share)
     if mode not in MODES or isinstance(mode, (int, float)) and mode is not False:
         raise ValueError(f"padding_free: expected one of {MODES}, got {mode!r}")
     if attention is not None and not isinstance(attention, str):
@@ -59,9 +60,10 @@ def check_options(mode, attention, bucket) -> None:
         raise ValueError(f"packed_bucket: expected a positive int (tokens), got {bucket!r}")
 
 
-def configure(trainer, mode, attention, bucket: int) -> None:
-    """The trainer's padding-free settings: its mode, the attention its packed forwards run under, the bucket, and
-    whether the model can pack (None: not checked yet; "": it can; else why not)."""
+def configure(trainer, mode, attention, bucket: int, share="auto") -> None:
+    """The trainer's padding-free settings: its mode, the attention its packed forwards run under, the bucket,
+    whether the model can pack (None: not checked yet; "": it can; else why not), and whether packed rows share
+    their prompts (`shared_prompts.configure`)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     device = trainer.accelerator.device
     in_16_bits = sixteen_bit(trainer, model)
@@ -77,6 +79,7 @@ def configure(trainer, mode, attention, bucket: int) -> None:
             raise ValueError(f"packed_attention={trainer.packed_attention!r}: {why_not}")
         if trainer.packed_attention is not None:
             packed_attention.install(transformers_model(model))
+    shared_prompts.configure(trainer, share)
     say_once(trainer, chosen(trainer, mode, attention, model))
 
 
@@ -143,6 +146,8 @@ def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
         trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_bucket) or ""
         if trainer.packing_refused:
             say_once(trainer, f"{trainer.packing_refused}; micro-batches are trimmed instead of packed")
+        elif trainer.share_prompts and shared_prompts.check(trainer, forward, ids, lengths):
+            say_once(trainer, f"{trainer.sharing_refused}; micro-batches are packed without sharing their prompts")
     if trainer.aux_loss_enabled:
         say_once(trainer, "micro-batches are trimmed, not packed: the MoE auxiliary loss balances every position of "
                           "the model's row, padding included")  # fmt: skip
@@ -160,21 +165,22 @@ def padded_enough(lengths: Lengths) -> bool:
     return real <= PACK_BELOW * area
 
 
-def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: int):
+def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: int, groups=None):
     """(final hidden states [N, H] of every packed row the loss reads, the trained rows' model outputs, the loss
     rows' targets in them): the rows with a gradient packed and forwarded with grad, those without (under the row
-    plan) packed and forwarded without, their hidden states joined. (None, None, None) when nothing runs."""
+    plan) packed and forwarded without, their hidden states joined; rows of one of `groups` (host [B], None: none)
+    in one forward share their prompt. (None, None, None) when nothing runs."""
     rows = torch.arange(len(lengths.prompt))
     trained, untrained = (rows, None) if plan is None else plan.rows
     parts, starts, outputs = [], torch.zeros(len(rows), dtype=torch.long), None
     if trained.numel():
-        packed = pack(ids, lengths, trained, bucket)
+        packed = pack(ids, lengths, trained, bucket, groups)
         hidden, outputs = forward(packed)
         parts.append(hidden)
         starts[trained] = packed.starts
     if untrained is not None and untrained.numel():
         with torch.no_grad():
-            packed = pack(ids, lengths, untrained, bucket)
+            packed = pack(ids, lengths, untrained, bucket, groups)
             hidden, _ = forward(packed)
         if not plan.stand_in:  # a stand-in forward only keeps step with the other ranks
             starts[untrained] = packed.starts + sum(p.shape[0] for p in parts)
@@ -240,7 +246,10 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     if lengths is not None and model.training:
         log_real_tokens(trainer, lengths, packed)
     if packed:
-        return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket)
+        groups = shared_prompts.groups_to_share(trainer, lengths)
+        if model.training:
+            log_saved_tokens(trainer, lengths, plan, groups)
+        return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket, groups)
     return (*zero_advantage.split_forward(padded, model_inputs, plan), None)
 
 
@@ -250,3 +259,13 @@ def log_real_tokens(trainer, lengths: Lengths, packed: bool) -> None:
     metrics = trainer._metrics["train"]
     metrics["padding_free/packed_fraction"].append(float(packed))
     metrics["padding_free/real_tokens"].append(float(lengths.prompt.sum() + lengths.completion.sum()))
+
+
+def log_saved_tokens(trainer, lengths: Lengths, plan, groups) -> None:
+    """Where the trainer shares prompts, the prompt tokens this packed micro-batch's forwards do not forward again
+    (`shared_prompts/saved_tokens`, averaged over a logging period)."""
+    if not trainer.share_prompts:
+        return
+    rows = [torch.arange(len(lengths.prompt))] if plan is None else [r for r in plan.rows if r is not None]
+    saved = sum(saved_tokens(lengths, r, groups) for r in rows) if groups is not None else 0
+    trainer._metrics["train"]["shared_prompts/saved_tokens"].append(float(saved))

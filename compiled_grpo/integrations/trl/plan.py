@@ -38,13 +38,15 @@ class Lengths(NamedTuple):
     """Where a micro-batch's real tokens are, on the host: each row's real prompt tokens (the last ones of its
     left-padded prompt) and real completion tokens (the first ones of its completion), whether every row's real
     tokens are those spans exactly (TRL's layout; a row with a hole in its masks is not), and the masks they were
-    read from with their version counters then."""
+    read from with their version counters then; where the trainer shares prompts, each row's first row with the
+    same prompt."""
 
     prompt: torch.Tensor
     completion: torch.Tensor
     contiguous: bool
     masks: tuple
     versions: tuple
+    groups: torch.Tensor | None = None  # each row's first row with the same prompt (`shared_prompts.groups`)
 
     def fits(self, inputs: dict) -> bool:
         masks = (inputs["prompt_mask"], inputs["completion_mask"])
@@ -58,14 +60,30 @@ class MicroBatchPlan(NamedTuple):
 
 
 def real_spans(inputs: dict) -> torch.Tensor:
-    """[B, 3] on the device: each row's real prompt and completion tokens, and whether they are one span each."""
+    """[B, 4] on the device: each row's real prompt and completion tokens, whether they are one span each, and its
+    first row with the same real prompt (`prompt_groups`)."""
     prompt_mask, completion_mask = inputs["prompt_mask"].bool(), inputs["completion_mask"].bool()
     P, C = prompt_mask.shape[1], completion_mask.shape[1]
     first = torch.where(prompt_mask, torch.arange(P, device=prompt_mask.device), P).amin(1)
     end = torch.where(completion_mask, torch.arange(1, C + 1, device=completion_mask.device), 0).amax(1)
     prompt, completion = P - first, end
     one_span = (prompt_mask.sum(1) == prompt) & (completion_mask.sum(1) == completion)
-    return torch.stack([prompt, completion, one_span.long()], 1)
+    groups = prompt_groups(inputs["prompt_ids"], prompt_mask)
+    return torch.stack([prompt, completion, one_span.long(), groups], 1)
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """[B] on the device: each row's first row with the same real prompt (the same tokens on the same mask): the
+    rows of a GRPO group share one."""
+    real = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
+    same = (real[:, None, :] == real[None, :, :]).all(-1)
+    return same.int().argmax(1)  # the first match: a row matches itself at the latest
+
+
+def lengths_of(span: torch.Tensor, masks: tuple) -> Lengths:
+    """A micro-batch's `Lengths` from its host `real_spans` and the masks they were read from."""
+    versions = tuple(m._version for m in masks)
+    return Lengths(span[:, 0], span[:, 1], bool(span[:, 2].all()), masks, versions, span[:, 3])
 
 
 def read(trainer, micro_batches: list[dict], with_zeros: bool) -> list[MicroBatchPlan]:
@@ -84,14 +102,13 @@ def read(trainer, micro_batches: list[dict], with_zeros: bool) -> list[MicroBatc
         parts += [torch.cat(zeros).long(), counts.reshape(-1)]
     host = torch.cat([p.to(parts[0].device) for p in parts]).cpu()
     sizes = [len(s) for s in spans]
-    host_spans = host[: 3 * sum(sizes)].reshape(-1, 3).split(sizes)
+    host_spans = host[: 4 * sum(sizes)].reshape(-1, 4).split(sizes)
     plans = []
     for batch, span in zip(micro_batches, host_spans, strict=True):
-        masks = (batch["prompt_mask"], batch["completion_mask"])
-        lengths = Lengths(span[:, 0], span[:, 1], bool(span[:, 2].all()), masks, tuple(m._version for m in masks))
+        lengths = lengths_of(span, (batch["prompt_mask"], batch["completion_mask"]))
         plans.append(MicroBatchPlan(None, lengths))
     if with_zeros:
-        rest = host[3 * sum(sizes) :]
+        rest = host[4 * sum(sizes) :]
         masks = rest[: sum(sizes)].bool().split(sizes)
         counts = rest[sum(sizes) :].reshape(len(micro_batches), -1, 2)
         for i, batch in enumerate(micro_batches):

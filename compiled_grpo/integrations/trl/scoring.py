@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import packed_attention, padding_free, settings
+from . import packed_attention, padding_free, settings, shared_prompts
 from .packing import pack, targets
-from .plan import Lengths, real_spans
+from .plan import Lengths, lengths_of, real_spans
 
 
 def per_token_logps(trainer, padded, model, input_ids, attention_mask, logits_to_keep, *, batch_size=None,
@@ -24,8 +24,8 @@ def per_token_logps(trainer, padded, model, input_ids, attention_mask, logits_to
                       compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)  # fmt: skip
     P = input_ids.shape[1] - logits_to_keep
     masks = (attention_mask[:, :P], attention_mask[:, P:])
-    spans = real_spans({"prompt_mask": masks[0], "completion_mask": masks[1]}).cpu()
-    lengths = Lengths(spans[:, 0], spans[:, 1], bool(spans[:, 2].all()), masks, ())
+    spans = real_spans({"prompt_ids": input_ids[:, :P], "prompt_mask": masks[0], "completion_mask": masks[1]})
+    lengths = lengths_of(spans.cpu(), masks)
     lm_head = settings.unwrapped(trainer, model).get_output_embeddings()
     forward = padding_free.packed_ids_forward(model, lm_head, trainer.packed_attention)
     if padding_free.packs(trainer, forward, input_ids, lengths):
@@ -43,7 +43,7 @@ def packed_logps(trainer, model, input_ids, lengths: Lengths, batch_size: int | 
     chunks = []
     for start in range(0, B, batch_size or B):
         rows = torch.arange(start, min(start + (batch_size or B), B))
-        packed = pack(input_ids, lengths, rows, trainer.packed_bucket)
+        packed = pack(input_ids, lengths, rows, trainer.packed_bucket, shared_prompts.groups_to_share(trainer, lengths))
         t = targets(lengths, rows, packed.starts, C, input_ids.device)
         labels = torch.full_like(packed.input_ids, -100)
         labels[0, t.row_index] = completions[rows[0] : rows[-1] + 1].reshape(-1).index_select(0, t.flat)

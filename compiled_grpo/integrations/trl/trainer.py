@@ -44,17 +44,17 @@ class CompiledGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
-                 compile_backbone="auto", compile_generation="auto", **kwargs):  # fmt: skip
+                 compile_backbone="auto", compile_generation="auto", share_prompts="auto", **kwargs):  # fmt: skip
         regional_compile.check_mode(compile_backbone)
         check_loss_options(loss_options)
         zero_advantage.check_mode(skip_zero_advantage)
-        real_tokens.check_options(padding_free, packed_attention, packed_bucket)
+        real_tokens.check_options(padding_free, packed_attention, packed_bucket, share_prompts)
         super().__init__(*args, **kwargs)
         # an engine that shards the lm_head gathers it to a new address each call: graphs keyed on it would not serve
         self.shards_parameters = sharded_head.trainer_shards_parameters(self)
         regional_compile.configure(self, compile_backbone)
         rollouts.configure(self, compile_generation)
-        real_tokens.configure(self, padding_free, packed_attention, packed_bucket)
+        real_tokens.configure(self, padding_free, packed_attention, packed_bucket, share_prompts)
         weight = sharded_head.shape_only(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight)
         options = {"capture": captures_by_default(weight) and not self.shards_parameters, **(loss_options or {})}
         self.fused_loss = FusedLinearGRPOLoss(compiled=compiled, schedule=schedule, **options, **loss_settings(self))

@@ -1,0 +1,113 @@
+"""A GRPO group's prompt forwarded once: the completions of one prompt that a packed forward holds share it.
+
+GRPO samples each prompt `num_generations` times, and a packed micro-batch would forward the same prompt once per
+completion. Where two or more of its rows have the same real prompt (`groups`), the packed row holds that prompt
+once but its last token, then each row's last prompt token and completion (`packing.segments`), positions
+continuing from the prompt's; each such segment attends to the shared tokens and causally to itself, never to a
+sibling. A causal layer's hidden state at a position depends only on the tokens before it, so every hidden state the
+loss reads is the one the row has alone (to rounding: the attention's sums run in another order), and the prompt's
+gradient is the sum of what each completion sends back through it. A group of k rows with a prompt of p tokens then
+forwards p - 1 + k of its k p prompt tokens.
+
+The attention of a shared row: torch's varlen FlashAttention with each segment's keys gathered (its shared prompt's,
+then its own: `packed_attention.varlen_attention`), or a mask of the segments' rule for SDPA, eager attention and
+FlexAttention (`shared_masks`), passed for each layer type with the forward's arguments, so that a checkpointed layer's
+recomputation attends as its forward did. Other implementations (the model's own FlashAttention, which finds the
+sequences from the positions) do not share. The first shared micro-batch is checked against the same rows packed
+unshared (`sharing_fails`); a model that fails (its layers build their own masks, or ignore the positions) is packed
+unshared from then on, said once. `share_prompts="auto"` (the default) and True share wherever micro-batches are
+packed; False never does. The trainer logs `shared_prompts/saved_tokens` (the prompt tokens a micro-batch did not
+forward again) with its metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import packed_attention, shared_masks
+from .packing import pack, targets
+from .plan import Lengths
+
+MODES = ("auto", True, False)
+# The real tokens each of the two rows the check packs keeps of its prompt and of its completion.
+CHECK_TOKENS = 12
+
+
+def check_mode(mode) -> None:
+    if not (mode is True or mode is False or mode == "auto"):
+        raise ValueError(f"share_prompts: expected 'auto', True or False, got {mode!r}")
+
+
+def configure(trainer, mode) -> None:
+    """The trainer's sharing: on where its micro-batches are packed and their attention can share (`why_not`);
+    `sharing_refused` None until the first shared micro-batch is checked, "" where it passed."""
+    check_mode(mode)
+    trainer.share_prompts, trainer.sharing_refused = False, None
+    if mode is False or trainer.padding_free_mode != "pack":
+        return
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    why = why_not(trainer.packed_attention or packed_attention.own_implementation_of(config))
+    if why is None:
+        trainer.share_prompts = True
+    elif mode is True:
+        raise ValueError(f"share_prompts=True: {why}")
+
+
+def why_not(attention: str) -> str | None:
+    """Why packed forwards under `attention` cannot share prompts (None: they can)."""
+    if attention == packed_attention.VARLEN or attention in shared_masks.MASKED:
+        return None
+    return (f"packed forwards run {attention!r}, which finds the packed sequences from their positions and has no "
+            "way to let a completion see a shared prompt (packed_attention='varlen', 'sdpa', 'eager' or "
+            "'flex_attention' can)")  # fmt: skip
+
+
+def check_rows(lengths: Lengths) -> torch.Tensor:
+    """The two rows the check packs: the row with the longest prompt and a sibling of it, or itself twice (two
+    completions of one prompt either way)."""
+    groups = lengths.groups if lengths.groups is not None else torch.arange(len(lengths.prompt))
+    first = int(torch.argmax(lengths.prompt))
+    siblings = torch.nonzero(groups == groups[first]).flatten().tolist()
+    return torch.tensor([first, next((r for r in siblings if r != first), first)])
+
+
+def sharing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int) -> str | None:
+    """Why this model cannot share prompts (None: it can): two completions of one prompt (`check_rows`, their first
+    `CHECK_TOKENS` of prompt and of completion) packed sharing their prompt, against the same rows packed apart, no
+    grad, at every position that predicts a completion token."""
+    rows = check_rows(lengths)
+    short = lengths._replace(prompt=lengths.prompt.clone(), completion=lengths.completion.clone())
+    short.prompt[rows] = lengths.prompt[rows].clamp(max=CHECK_TOKENS)
+    short.completion[rows] = lengths.completion[rows].clamp(max=CHECK_TOKENS)
+    together = torch.full((len(lengths.prompt),), int(rows[0]))  # both rows in the first one's group
+    width = lengths.masks[1].shape[1]
+    found = []
+    with torch.no_grad():
+        for grouped in (together, None):
+            packed = pack(ids, short, rows, bucket, grouped)
+            hidden = forward(packed)[0]
+            found.append(hidden[targets(short, rows, packed.starts, width, hidden.device).row_index].float())
+    shared, apart = found
+    error = float((shared - apart).norm() / apart.norm().clamp(min=1e-30))
+    bound = 1e-4 if shared.dtype in (torch.float32, torch.float64) else 3e-2
+    if error <= bound:
+        return None
+    return (f"two completions sharing their prompt differ from the same rows packed apart (relative error "
+            f"{error:.2e} > {bound:.0e}): the model does not attend by the mask passed to it")  # fmt: skip
+
+
+def check(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> str:
+    """At the trainer's first packed micro-batch (on every rank alike): why its prompts are not shared ("": they
+    are), said once."""
+    if trainer.sharing_refused is None:
+        trainer.sharing_refused = sharing_fails(forward, ids, lengths, trainer.packed_bucket) or ""
+    return trainer.sharing_refused
+
+
+def groups_to_share(trainer, lengths: Lengths) -> torch.Tensor | None:
+    """The micro-batch's groups (host [B]) where it shares its prompts: the trainer shares, its check passed, and
+    two of its rows have the same prompt; else None."""
+    found = lengths.groups
+    if not trainer.share_prompts or trainer.sharing_refused != "" or found is None:
+        return None
+    return found if len(found.unique()) < len(found) else None
