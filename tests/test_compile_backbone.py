@@ -15,7 +15,7 @@ import torch._dynamo.utils
 from test_integration_trl import loss_and_grads
 from test_padding_free import LOSS_TYPES, packed_calls, trainer_for, varied_batch, with_logps  # noqa: F401
 from test_skip_zero_advantage import assert_same, trl_loss
-from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, tmp_root, train  # noqa: F401
+from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, saved_tokens, tmp_root, train  # noqa: F401
 
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, regional_compile
 
@@ -41,7 +41,8 @@ def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, paddin
         assert re.search(r"the first forward on compiled layers took \d+\.\d s, compiling \d+ graph", said[1]), said
     assert regional_compile.compiled(trainer.backbone_layers) and len(trainer.backbone_layers) == 2
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
-    assert packed_share(trainer) == (1.0 if padding == "pack" else 0.0)
+    share = packed_share(trainer)  # regrouped by prompt, a micro-batch of whole groups may have too little padding
+    assert (share > 0.5 and saved_tokens(trainer) > 0) if padding == "pack" else share == 0.0
 
 
 def test_train_a_lora_adapter_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
@@ -53,7 +54,7 @@ def test_train_a_lora_adapter_on_compiled_layers_equals_grpo_trainer(tmp_path, t
                                    compile_backbone=True)  # fmt: skip
     assert regional_compile.compiled(trainer.backbone_layers) and len(trainer.backbone_layers) == 2
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root, True))
-    assert packed_share(trainer) == 1.0 and any("lora_" in name for name in grads[0])
+    assert packed_share(trainer) > 0.5 and any("lora_" in name for name in grads[0]) and saved_tokens(trainer) > 0
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from compiled_grpo.integrations.trl import (
     packing,
     padding_free,
     plan,
+    regroup,
     shared_masks,
     shared_prompts,
 )
@@ -255,3 +256,23 @@ def test_a_step_whose_completions_see_their_siblings_differs_from_trls(tmp_path,
     ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
     with pytest.raises(AssertionError):
         assert_same((ours[0], ours[1], {}), theirs, metrics=False)
+
+
+@pytest.mark.parametrize("skip", ["all", False])
+def test_regrouping_puts_a_prompts_completions_side_by_side(skip):
+    """Within each optimizer step, the rows of one prompt side by side in the order the prompts first appear (after
+    the rows with a gradient, under "all"); rows keep their values and never cross an optimizer step."""
+
+    def batch(prompts, advantages):
+        ids = torch.tensor(prompts)[:, None].repeat(1, 3)
+        return {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids), "advantages": torch.tensor(advantages),
+                "tag": [f"{p}:{a}" for p, a in zip(prompts, advantages, strict=True)]}  # fmt: skip
+
+    micro = [batch([5, 7, 5], [1.0, 0.0, 2.0]), batch([7, 9, 9], [3.0, 0.0, 4.0]), batch([9, 5, 7], [5.0, 6.0, 0.0])]
+    args = type("A", (), {"gradient_accumulation_steps": 3})()
+    trainer = type("T", (), {"args": args, "skip_zero_advantage": skip, "share_prompts": True})()
+    out = [b["tag"] for b in regroup.regroup(trainer, micro)]
+    if skip == "all":
+        assert out == [["5:1.0", "5:2.0", "5:6.0"], ["7:3.0", "9:4.0", "9:5.0"], ["7:0.0", "7:0.0", "9:0.0"]]
+    else:
+        assert out == [["5:1.0", "5:2.0", "5:6.0"], ["7:0.0", "7:3.0", "7:0.0"], ["9:0.0", "9:4.0", "9:5.0"]]

@@ -234,7 +234,8 @@ def test_regrouping_gathers_the_sequences_with_a_gradient_first():
                 range(n)], "num_items_in_batch": torch.tensor(7.0), "pixel_values": None}  # fmt: skip
 
     micro = [batch([0.0, 1.0], 0), batch([0.0, -2.0], 10), batch([3.0, 0.0], 20), batch([0.0, 0.0], 30)]
-    trainer = type("T", (), {"args": type("A", (), {"gradient_accumulation_steps": 2})()})()
+    args = type("A", (), {"gradient_accumulation_steps": 2})()
+    trainer = type("T", (), {"args": args, "skip_zero_advantage": "all", "share_prompts": False})()
     out = regroup.regroup(trainer, micro)
     assert [b["advantages"].tolist() for b in out] == [[1.0, -2.0], [0.0, 0.0], [3.0, 0.0], [0.0, 0.0]]
     assert [b["names"] for b in out] == [["01", "101"], ["00", "100"], ["200", "201"], ["300", "301"]]

@@ -155,12 +155,18 @@ def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
     if not can_pack(lengths):
         say_once(trainer, "a micro-batch is trimmed, not packed: a row's masks have a hole, or a row has no prompt")
         return False
-    return not trainer.packing_refused and padded_enough(lengths)
+    if trainer.packing_refused:
+        return False
+    groups = shared_prompts.groups_to_share(trainer, lengths)
+    return padded_enough(
+        lengths, saved_tokens(lengths, torch.arange(len(lengths.prompt)), groups) if groups is not None else 0
+    )
 
 
-def padded_enough(lengths: Lengths) -> bool:
-    """Whether the micro-batch's real tokens fill at most `PACK_BELOW` of its trimmed area (else trimming serves)."""
-    real = int(lengths.prompt.sum() + lengths.completion.sum())
+def padded_enough(lengths: Lengths, shared: int = 0) -> bool:
+    """Whether the tokens a packed row holds (the micro-batch's real tokens, less the `shared` prompt tokens it
+    forwards once) fill at most `PACK_BELOW` of its trimmed area (else trimming serves)."""
+    real = int(lengths.prompt.sum() + lengths.completion.sum()) - shared
     area = len(lengths.prompt) * (int(lengths.prompt.max()) + int(lengths.completion.max()))
     return real <= PACK_BELOW * area
 
