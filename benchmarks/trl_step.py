@@ -94,7 +94,10 @@ class WaitingGRPOTrainer(GRPOTrainer):
 
 # kind: (top_entropy_quantile, groups at advantage 0 of every four)
 BATCHES = {"dense": (1.0, 0), "q0.2": (0.2, 0), "half0": (1.0, 2), "zero75": (1.0, 3), "both": (0.2, 2),
-           "varied": (1.0, 0), "tail": (1.0, 0), "tail-half0": (1.0, 2)}  # fmt: skip
+           "varied": (1.0, 0), "tail": (1.0, 0), "tail-half0": (1.0, 2), "longprompt": (1.0, 0)}  # fmt: skip
+# `longprompt` rows: groups of LONG_GROUP completions of one LONG_PROMPT-token prompt, `tail` completion lengths of at
+# most LONG_COMPLETION tokens (long system prompts, tool outputs: where a group's shared prompt is most of its tokens)
+LONG_PROMPT, LONG_COMPLETION, LONG_GROUP = 512, 256, 8
 # `tail` completion lengths: lognormal, median TAIL_MEDIAN x the completion length, sigma TAIL_SIGMA, clipped to
 # [TAIL_SHORTEST, completion length]; the batch's first row truncated at the completion length (so GRPOTrainer pads
 # every micro-batch to it)
@@ -104,6 +107,10 @@ TAIL_NOTE = (
     f"clipped to [{TAIL_SHORTEST}, the completion length]), one truncated at the completion length, so GRPOTrainer "
     "pads every micro-batch to it (`tail-half0`: half the groups at advantage 0); the bound is the backbone on that "
     "padding."
+)
+LONG_NOTE = (
+    f" `longprompt` rows: groups of {LONG_GROUP} completions of one {LONG_PROMPT}-token prompt, completion lengths as "
+    f"`tail`'s of at most {LONG_COMPLETION} tokens; `noshare`: the default with `share_prompts=False`."
 )
 VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
 TRAINERS = {  # name: (trainer, its options)
@@ -140,6 +147,8 @@ TRAINERS = {  # name: (trainer, its options)
     "skip-all": (CompiledGRPOTrainer, {"skip_zero_advantage": "all"}),
     "skip-backward": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}),
     "noskip": (CompiledGRPOTrainer, {"skip_zero_advantage": False}),
+    # the default without shared prompts (each completion forwards its prompt again)
+    "noshare": (CompiledGRPOTrainer, {"share_prompts": False}),
     # real tokens only: the default packs (FlexAttention or SDPA by hidden size on a GPU); forced choices, trimming
     # alone, and TRL's padded forward
     "packed-sdpa": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "sdpa"}),
@@ -212,6 +221,7 @@ LABELS = {
     "skip-all": "CompiledGRPOTrainer, skip_zero_advantage='all'",
     "skip-backward": "CompiledGRPOTrainer, skip_zero_advantage='backward'",
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
+    "noshare": "CompiledGRPOTrainer, share_prompts=False",
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
     "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",
@@ -322,6 +332,19 @@ def with_tail(inputs: dict, seed: int = 0) -> dict:
     return {**inputs, "completion_mask": mask, "num_items_in_batch": mask.sum().float()}
 
 
+def with_shared_prompts(inputs: dict, group: int) -> dict:
+    """`inputs` whose consecutive rows in groups of `group` have their group's first prompt (as TRL's generation
+    batch has them, before it shuffles the rows)."""
+    first = torch.arange(len(inputs["prompt_ids"]), device=inputs["prompt_ids"].device) // group * group
+    return {**inputs, "prompt_ids": inputs["prompt_ids"][first]}
+
+
+def long_prompt_batch(vocab: int, device, B: int) -> dict:
+    """B rows of the `longprompt` kind (`LONG_PROMPT`, `LONG_COMPLETION`, `LONG_GROUP`)."""
+    inputs = with_tail(micro_batch(vocab, device, B, 0, P=LONG_PROMPT, C=LONG_COMPLETION))
+    return with_shared_prompts(inputs, LONG_GROUP)
+
+
 def real_tokens(inputs: dict) -> int:
     return int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
 
@@ -330,6 +353,8 @@ def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
     """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
     completion a random length between half the batch's longest and it (one row at the longest)."""
     _, zeros = BATCHES[kind]
+    if kind == "longprompt":
+        return [long_prompt_batch(vocab, device, B)]
     if kind.startswith("tail"):
         return [with_tail(micro_batch(vocab, device, B, zeros, C=C))]
     if kind != "varied":
@@ -625,6 +650,8 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
     generation = micro_batch(vocab, device, size * count, zeros, C=completion, group=4)
     if kind.startswith("tail"):
         generation = with_tail(generation)
+    if kind == "longprompt":
+        generation = long_prompt_batch(vocab, device, size * count)
     setup["real_tokens"] = real_tokens(generation)
     trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, count, checkpointing)
                 for name in names}  # fmt: skip
@@ -736,7 +763,8 @@ def report(args) -> None:
         "a whole optimizer step over a generation batch of N micro-batches (`--generation N`: TRL's "
         "`_prepare_inputs`, each micro-batch's loss and backward, fused AdamW); its bound is the backbone on every "
         "micro-batch plus the same optimizer step."
-        + (TAIL_NOTE if any(r["batch"].startswith("tail") for r in rows) else ""),
+        + (TAIL_NOTE if any(r["batch"].startswith("tail") for r in rows) else "")
+        + (LONG_NOTE if any(r["batch"] == "longprompt" for r in rows) else ""),
         "",
         "| model, batch, sequences | bound | " + " | ".join(LABELS[name] for name in present) + " |",
         "|---|---|" + "---|" * len(present),

@@ -241,6 +241,24 @@ def test_trl_step_times_micro_batches_and_whole_optimizer_steps_on_a_tiny_model(
         assert all(r["gradient_checkpointing"] is checkpointing for r in rows)
 
 
+def test_trl_step_long_prompt_rows_share_their_prompts(tmp_path):
+    """The `longprompt` kind: groups of `LONG_GROUP` rows of one long prompt, as TRL's generation batch holds them;
+    a whole optimizer step of it runs for GRPOTrainer and `noshare` (on the CPU the default trims: the shared
+    path's equality is tests/test_shared_prompts.py's)."""
+    import json
+
+    from benchmarks import trl_step
+    from compiled_grpo.integrations.trl import plan
+
+    batch = trl_step.long_prompt_batch(1000, "cpu", 16)
+    groups = plan.prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
+    assert groups.tolist() == [0] * 8 + [8] * 8 and batch["prompt_ids"].shape[1] == trl_step.LONG_PROMPT
+    trl_step.main(["--model", "tiny", "--sizes", "8", "--trainers", "grpo,noshare", "--repeats", "1", "--out",
+                   str(tmp_path), "--batches", "longprompt", "--generation", "2"])  # fmt: skip
+    rows = json.loads((tmp_path / "trl-step-tiny-step2.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {trl_step.BOUND, "grpo", "noshare"} and all(r["ms"] > 0 for r in rows)
+
+
 def test_profile_step_names_the_trainers_parts_and_writes_python_profiles(tmp_path, monkeypatch):
     """`profile_step` on a tiny model: each method's phases, the trainer's own parts among them, from the plans made
     before timing (as the generation batch makes them in training: the masks read once, not in every step), and with

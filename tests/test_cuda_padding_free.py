@@ -163,6 +163,7 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
     assert all(e["grad_norm"] > 0 for e in logged)
     packed = sum(e["padding_free/packed_fraction"] for e in logged) / 3
     assert packed == 1.0, packed  # "auto" packs on varlen over compiled layers at every size
+    assert sum(e.get("shared_prompts/saved_tokens", 0.0) for e in logged) > 0  # a group's completions share its prompt
 
 
 @contextlib.contextmanager
