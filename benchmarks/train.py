@@ -15,12 +15,13 @@ run: the peak memory, and the GPU's busy time of one more step under the profile
 once). The first two steps (compiling) are reported apart from the median of the rest.
 
     python -m benchmarks.train --model 1.5B [--rows grpo,grpo-compiled-decoding,default,eager-generation]
-        [--steps 10] [--warm] [--out benchmark-results]
+        [--steps 10] [--warm] [--workload mixed|long] [--out benchmark-results]
     python -m benchmarks.train --report benchmark-results/train-*.json [--out docs/benchmarks/train]
 
 The first writes `train-<model>.json` row by row; `--warm` adds the default row again on the Inductor cache the
-first default row filled. `--report` joins such files into `train.md` and `train.png`. `--model tiny` runs a small
-model on the CPU (a smoke test of this script).
+first default row filled; `--workload long` gives every prompt 512 tokens (rows `default` and `default-noshare`
+show what sharing a group's prompt saves) and writes `train-<model>-long.json`. `--report` joins such files into
+`train.md` and `train.png`. `--model tiny` runs a small model on the CPU (a smoke test of this script).
 """
 
 from __future__ import annotations
@@ -42,17 +43,21 @@ ROWS = {
     "default": "CompiledGRPOTrainer (defaults)",
     "default-warm": "CompiledGRPOTrainer (defaults), warm Inductor cache",
     "eager-generation": "CompiledGRPOTrainer, compile_generation=False",
+    "default-noshare": "CompiledGRPOTrainer, share_prompts=False",
 }
 PROMPTS, GENERATIONS, MICRO_BATCH, ACCUMULATION = 4, 8, 8, 4
+LONG_PROMPT = 512  # `--workload long`: every prompt this long (a long system prompt, tool outputs)
 MAX_COMPLETION, EOS_SHARE = 256, 95  # one token in EOS_SHARE ends a completion
 
 
-def dataset(vocab: int, steps: int, seed: int = 0):
-    """`PROMPTS` prompts a step, of 20-200 random tokens each, as text the word-level tokenizer maps back to them."""
+def dataset(vocab: int, steps: int, seed: int = 0, workload: str = "mixed"):
+    """`PROMPTS` prompts a step, of 20-200 random tokens each (`LONG_PROMPT` under the long workload), as text the
+    word-level tokenizer maps back to them."""
     from datasets import Dataset
 
     rng = random.Random(seed)
-    texts = [" ".join(f"t{rng.randrange(3, vocab)}" for _ in range(rng.randint(20, 200)))
+    size = (lambda: LONG_PROMPT) if workload == "long" else (lambda: rng.randint(20, 200))
+    texts = [" ".join(f"t{rng.randrange(3, vocab)}" for _ in range(size()))
              for _ in range(PROMPTS * (steps + 2))]  # fmt: skip
     return Dataset.from_dict({"prompt": texts})
 
@@ -166,7 +171,7 @@ class BusyStep:
         self.ms = sum(e.time_range.elapsed_us() for e in device) / 1e3
 
 
-def run_row(row: str, model_name: str, steps: int) -> dict:
+def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> dict:
     """One `train()` run of `row` (in this process), its per-step times, peak memory and GPU busy time."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
@@ -185,9 +190,9 @@ def run_row(row: str, model_name: str, steps: int) -> dict:
         use_cpu=not on_gpu, cache_implementation="static" if row == "grpo-compiled-decoding" else None,
     )  # fmt: skip
     cls = GRPOTrainer if row.startswith("grpo") else CompiledGRPOTrainer
-    options = {"compile_generation": False} if row == "eager-generation" else {}
-    trainer = cls(model=model, reward_funcs=even_share, args=args, train_dataset=dataset(vocab, steps + 1),
-                  processing_class=tokenizer(vocab), **options)  # fmt: skip
+    options = {"eager-generation": {"compile_generation": False}, "default-noshare": {"share_prompts": False}}
+    trainer = cls(model=model, reward_funcs=even_share, args=args, train_dataset=dataset(vocab, steps + 1, 0, workload),
+                  processing_class=tokenizer(vocab), **options.get(row, {}))  # fmt: skip
     if row == "grpo-compiled-decoding":  # what a user can do by hand: TRL's own config, compiling allowed
         trainer.generation_config.disable_compile = False
     clock = StepClock(trainer, on_gpu)
@@ -199,14 +204,22 @@ def run_row(row: str, model_name: str, steps: int) -> dict:
     for step, length in zip(clock.steps, lengths, strict=False):
         step["mean_completion"] = length
     compiles = getattr(trainer, "generation_compiles", None)
+    shared = [e["shared_prompts/saved_tokens"] for e in trainer.state.log_history if "shared_prompts/saved_tokens" in e]
     return {
-        "row": row, "model": model_name, "steps": clock.steps[:steps], "busy_ms": busy.ms if busy else None,
+        "row": row, "model": label(model_name, workload), "steps": clock.steps[:steps],
+        "busy_ms": busy.ms if busy else None,
+        "shared_prompt_tokens": statistics.mean(shared) if shared else 0.0,
         "busy_step_s": clock.steps[steps]["wall_s"] if on_gpu and len(clock.steps) > steps else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "compile_generation": getattr(trainer, "compile_generation", None),
         "generation_fallback": compiles.fallback if compiles else None,
         "generation_cache_lengths": [length for length, _, _ in compiles.compiles] if compiles else None,
     }  # fmt: skip
+
+
+def label(model: str, workload: str) -> str:
+    """A run's model as reports name it: the model, and the long workload's prompts."""
+    return model if workload == "mixed" else f"{model}, {LONG_PROMPT}-token prompts"
 
 
 def versions() -> dict:
@@ -229,7 +242,7 @@ def sweep(args) -> None:
     """Each row in a child process, in order; the JSON rewritten after each."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train-{args.model}.json"
+    path = out / f"train-{args.model}{'-long' if args.workload == 'long' else ''}.json"
     rows = args.rows.split(",") + (["default-warm"] if args.warm else [])
     data = {"versions": versions(), "rows": []}
     shared_cache = tempfile.mkdtemp(prefix="inductor-default-")
@@ -238,11 +251,12 @@ def sweep(args) -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
         result = Path(tempfile.mkdtemp()) / "row.json"
         command = [sys.executable, "-m", "benchmarks.train", "--model", args.model, "--steps", str(args.steps),
-                   "--child", row, "--child-out", str(result)]  # fmt: skip
+                   "--workload", args.workload, "--child", row, "--child-out", str(result)]  # fmt: skip
         started = time.perf_counter()
         done = subprocess.run(command, env=env, check=False)
         if done.returncode or not result.exists():
-            data["rows"].append({"row": row, "model": args.model, "error": f"exit {done.returncode}"})
+            failed = {"row": row, "model": label(args.model, args.workload), "error": f"exit {done.returncode}"}
+            data["rows"].append(failed)
         else:
             data["rows"].append(json.loads(result.read_text()))
         print(f"[train] {args.model} {row}: {time.perf_counter() - started:.0f} s", flush=True)
@@ -272,8 +286,8 @@ def summary_lines(rows: list[dict]) -> str:
     lines = [
         "| model | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one step (s) "
         "| first two steps (s) | longest later step / median | generation graphs (first two steps + later) | "
-        "peak GiB | mean completion |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak GiB | mean completion | prompt tokens shared, per micro-batch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = {r["row"]: r for r in rows if r["model"] == model}
@@ -281,7 +295,7 @@ def summary_lines(rows: list[dict]) -> str:
         for name, row in mine.items():
             s = summary(row)
             if s is None:
-                lines.append(f"| {model} | {ROWS[name]} | {row.get('error', 'too few steps')} |" + " |" * 9)
+                lines.append(f"| {model} | {ROWS[name]} | {row.get('error', 'too few steps')} |" + " |" * 10)
                 continue
             speed = f"{base['median_s'] / s['median_s']:.2f}x" if base else "-"
             busy = f"{row['busy_ms'] / 1e3:.2f} of {row['busy_step_s']:.2f}" if row.get("busy_ms") else "-"
@@ -289,7 +303,8 @@ def summary_lines(rows: list[dict]) -> str:
             lines.append(
                 f"| {model} | {ROWS[name]} | {s['median_s']:.2f} | {speed} | {s['generation_s']:.2f} | "
                 f"{s['rest_s']:.2f} | {busy} | {s['first_two_s']:.1f} | {s['longest_later_s'] / s['median_s']:.2f} | "
-                f"{s['first_graphs']} + {s['later_graphs']} | {peak} | {s['mean_completion']:.0f} |"
+                f"{s['first_graphs']} + {s['later_graphs']} | {peak} | {s['mean_completion']:.0f} | "
+                f"{row.get('shared_prompt_tokens', 0.0):.0f} |"
             )
     return "\n".join(lines)
 
@@ -359,6 +374,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="1.5B", choices=["tiny", "0.5B", "1.5B", "7B"])
     parser.add_argument("--rows", default="grpo,grpo-compiled-decoding,default,eager-generation")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--workload", default="mixed", choices=["mixed", "long"],
+                        help=f"prompts of 20-200 tokens (mixed) or of {LONG_PROMPT} (long)")  # fmt: skip
     parser.add_argument("--warm", action="store_true", help="the default row again, on its own Inductor cache")
     parser.add_argument("--out", default="benchmark-results")
     parser.add_argument("--report", nargs="+")
@@ -370,7 +387,8 @@ def main(argv=None) -> None:
     elif args.child:
         if args.child not in ROWS:
             parser.error(f"--child: unknown row {args.child!r}")
-        result = run_row("default" if args.child == "default-warm" else args.child, args.model, args.steps)
+        row = "default" if args.child == "default-warm" else args.child
+        result = run_row(row, args.model, args.steps, args.workload)
         Path(args.child_out).write_text(json.dumps({**result, "row": args.child}))
     else:
         for row in args.rows.split(","):

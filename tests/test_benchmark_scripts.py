@@ -178,6 +178,19 @@ def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them
         train.main(["--model", "tiny", "--rows", "grpo,nonsense"])
 
 
+def test_train_benchmark_long_prompt_workload(tmp_path):
+    """`--workload long`: every prompt `LONG_PROMPT` tokens, the run named so and written apart."""
+    import json
+
+    from benchmarks import train
+
+    train.main(["--model", "tiny", "--steps", "3", "--rows", "default-noshare", "--workload", "long", "--out",
+                str(tmp_path)])  # fmt: skip
+    (row,) = json.loads((tmp_path / "train-tiny-long.json").read_text())["rows"]
+    assert row["model"] == f"tiny, {train.LONG_PROMPT}-token prompts" and len(row["steps"]) == 3
+    assert row["shared_prompt_tokens"] == 0.0  # share_prompts=False
+
+
 def test_readme_quick_start_times_are_the_stored_ci_runs():
     """README's quick-start table is written from docs/ci/quickstart.json, the .ci/run log that measured it."""
     from benchmarks import quickstart
