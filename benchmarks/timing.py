@@ -50,3 +50,19 @@ def wall_median_ms(fn, repeats: int, after=lambda: None) -> float:
         times.append((time.perf_counter() - start) * 1e3)
         after()
     return statistics.median(times)
+
+
+def device_busy_ms(profiler) -> float:
+    """The GPU's busy time (ms) a finished `torch.profiler.profile` saw: its device-side events (each kernel, copy and
+    set once, CUDA graphs' kernels included), not the host ops that launched them (counted twice otherwise)."""
+    device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in device) / 1e3
+
+
+def busy_ms(step) -> float:
+    """The GPU's busy time (ms) of one `step()`, under the profiler (CUDA activity only)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    return device_busy_ms(profiler)

@@ -165,10 +165,11 @@ class BusyStep:
     def stop(self) -> None:
         import torch
 
+        from benchmarks.timing import device_busy_ms
+
         torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
-        device = [e for e in self.profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        self.ms = sum(e.time_range.elapsed_us() for e in device) / 1e3
+        self.ms = device_busy_ms(self.profiler)
 
 
 def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> dict:

@@ -46,7 +46,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
-from benchmarks.timing import run_date
+from benchmarks.timing import busy_ms, run_date
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan, regional_compile, settle
 
 QWEN = {
@@ -406,8 +406,8 @@ def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> di
             times[name].append((time.perf_counter() - start) * 1e3)
             reset()
     gc.unfreeze()
-    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset), held[name], times[name])
-                for name in names}  # fmt: skip
+    measured = {name: (statistics.median(times[name]), peak_of(steps[name], on_gpu, reset), held[name], times[name],
+                       busy_of(steps[name], on_gpu, reset)) for name in names}  # fmt: skip
     return {**measured, **failed}
 
 
@@ -419,13 +419,23 @@ def failure(error: Exception) -> str:
 
 
 def with_measurement(row: dict, measured) -> dict:
-    """`row` with what `timed` measured for its method: ms (the median), peak_gib, held_gib and ms_rounds (each
-    round's time: the spread), or the status it failed with."""
+    """`row` with what `timed` measured for its method: ms (the median), peak_gib, held_gib, ms_rounds (each
+    round's time: the spread) and busy_ms (the GPU's busy time of one more step), or the status it failed with."""
     if isinstance(measured, str):
         row["status"] = measured
     else:
-        row["ms"], row["peak_gib"], row["held_gib"], row["ms_rounds"] = measured
+        row["ms"], row["peak_gib"], row["held_gib"], row["ms_rounds"], row["busy_ms"] = measured
     return row
+
+
+def busy_of(step, on_gpu: bool, reset) -> float | None:
+    """The GPU's busy time (ms) of one more `step()` (`timing.busy_ms`: each device event once); None on the CPU. A
+    step whose wall clock is far above it waits on the host."""
+    if not on_gpu:
+        return None
+    busy = busy_ms(step)
+    reset()
+    return busy
 
 
 def pool_free_gib(captures) -> float:
@@ -838,7 +848,8 @@ def cell(mine: dict, name: str) -> str:
         memory += f" (footprint {r['footprint_gib']:.2f})"
     elif r.get("pool_gib"):  # runs before the footprint was measured: the pool, and what the row held
         memory += f" + {r['pool_gib']:.2f} pool, {r.get('held_gib', 0):.2f} held"
-    text = f"{r['ms']:.1f} ms{memory}"
+    busy = f" (GPU busy {r['busy_ms']:.1f})" if r.get("busy_ms") else ""
+    text = f"{r['ms']:.1f} ms{busy}{memory}"
     if name != "grpo" and name in TRAINERS and "ms" in grpo:
         text += f" ({grpo['ms'] / r['ms']:.2f}x"
         # the share of the possible gain, where the bound leaves one (an eager, padded, host-bound backbone may not)

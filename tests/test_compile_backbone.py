@@ -17,7 +17,7 @@ from test_padding_free import LOSS_TYPES, packed_calls, trainer_for, varied_batc
 from test_skip_zero_advantage import assert_same, trl_loss
 from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, saved_tokens, tmp_root, train  # noqa: F401
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, regional_compile
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packing, regional_compile
 
 pytestmark = pytest.mark.compiled
 
@@ -43,6 +43,19 @@ def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, paddin
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
     share = packed_share(trainer)  # regrouped by prompt, a micro-batch of whole groups may have too little padding
     assert (share > 0.5 and saved_tokens(trainer) > 0) if padding == "pack" else share == 0.0
+
+
+def test_train_on_graphed_layers_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
+    """`compile_backbone="graphs"`: the layers compiled with Inductor's CUDA graphs (on the CPU Inductor runs them
+    without), the packed rows on fixed shapes; `train()`'s steps are GRPOTrainer's."""
+    with pytest.warns(regional_compile.BackboneNotice) as notices:
+        losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack",
+                                       packed_attention="sdpa", skip_zero_advantage=False,
+                                       compile_backbone="graphs")  # fmt: skip
+    assert any("replayed as CUDA graphs" in str(n.message) for n in notices)
+    assert trainer.packed_shapes.fixed and regional_compile.compiled(trainer.backbone_layers)
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
+    assert packed_share(trainer) > 0.5 and saved_tokens(trainer) > 0
 
 
 def test_train_a_lora_adapter_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
@@ -89,7 +102,7 @@ def test_fifty_micro_batches_of_random_lengths_add_a_bounded_number_of_graphs(tm
     """Packed rows of 50 different lengths (bucket 1) and trimmed widths: after the first micro-batches (one graph
     per kind of call: with grad, without, and their backward), no length recompiles."""
     trainer = trainer_for(tmp_path, loss_type="dapo")
-    trainer.packed_bucket = 1
+    trainer.packed_shapes = packing.Shapes(1)
     g = torch.Generator().manual_seed(0)
     with layers_compiled(trainer):
         counts = []

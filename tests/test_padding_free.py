@@ -229,7 +229,7 @@ def test_bucketed_lengths_compile_a_bounded_number_of_graphs(tmp_path):
 
     trainer = trainer_for(tmp_path, loss_type="dapo")
     trainer.fused_loss = type(trainer.fused_loss)(compiled=True, **trainer.fused_loss.config.__dict__)
-    trainer.packed_bucket = 64
+    trainer.packed_shapes = packing.Shapes(64)
     seen = []
     record = lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1])  # noqa: E731
     trainer.model.model.register_forward_pre_hook(record, with_kwargs=True)

@@ -209,14 +209,17 @@ def test_flex_attention_on_a_cpu_is_refused_at_construction(tmp_path):
 def varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
     """A stand-in of `torch.nn.attention.varlen.varlen_attn` (CUDA only) for the plumbing around it: each sequence
     of `cu_q` attends to its keys of `cu_k` by SDPA, causal from the end as FlashAttention aligns it where a
-    sequence has more keys than queries (its last query sees every key), [tokens, heads, head_dim] in and out."""
-    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+    sequence has more keys than queries (its last query sees every key), empty sequences skipped, the longest lengths
+    bounds (FlashAttention sizes its grid by them), [tokens, heads, head_dim] in and out."""
+    assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())  # bounds
     assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
     assert int(cu_q[-1]) == q.shape[0] and int(cu_k[-1]) == k.shape[0] and len(cu_q) == len(cu_k)
     out = torch.empty_like(q)
     q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
     for i, (start, end) in enumerate(zip(q_bounds[:-1], q_bounds[1:], strict=True)):
         k_start, k_end = k_bounds[i], k_bounds[i + 1]
+        if end == start:  # an empty segment (fixed shapes pad the boundaries with them): nothing to attend
+            continue
         query, key, value = (t.transpose(0, 1) for t in (q[start:end], k[k_start:k_end], v[k_start:k_end]))
         seen = torch.ones(end - start, k_end - k_start, dtype=torch.bool).tril(k_end - k_start - (end - start))
         attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=seen, scale=scale,

@@ -23,6 +23,10 @@ from ...packing import to_device
 from .plan import Lengths
 
 PER_TOKEN = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+# Fixed shapes (`Shapes.fixed`): a packed row's capacities, `CAPACITIES_PER_OCTAVE` between consecutive powers of two
+# (each at most a quarter above the one before), and its segment boundaries padded to a power of two of at least
+# `MIN_SEGMENT_SLOTS` entries.
+CAPACITIES_PER_OCTAVE, MIN_SEGMENT_SLOTS = 4, 16
 PER_TOKEN_OR_SEQUENCE = ("advantages", "importance_sampling_ratio")
 
 
@@ -48,6 +52,29 @@ def trimmed(inputs: dict, lengths: Lengths) -> tuple[dict, Lengths]:
         elif value.shape[1] == C:  # completion ids and masks, per-token log-probs, advantages or ratios
             out[key] = value[:, :keep_c]
     return out, lengths._replace(masks=(out["prompt_mask"], out["completion_mask"]))
+
+
+class Shapes(NamedTuple):
+    """How a packed row is padded: to a multiple of `bucket` tokens (its segments and their longest as they are);
+    or, `fixed`, to one of a few capacities (`capacity`), its segment boundaries to a power of two of entries (the
+    extra segments empty) and its longest lengths to the capacities, so that every shape and integer a compiled
+    layer sees comes from a small set (what CUDA graphs replayed per shape need)."""
+
+    bucket: int
+    fixed: bool = False
+
+
+def capacity(tokens: int, bucket: int) -> int:
+    """The smallest capacity of at least `tokens`: multiples of `bucket` up to `CAPACITIES_PER_OCTAVE` of them, then
+    `CAPACITIES_PER_OCTAVE` per doubling (a step that doubles with each octave: at most 25% of padding)."""
+    top = CAPACITIES_PER_OCTAVE * bucket
+    step = bucket if tokens <= top else bucket << ((tokens - 1) // top).bit_length() - 1  # x2 per octave above top
+    return max(-(-tokens // step), 1) * step
+
+
+def segment_slots(segments: int) -> int:
+    """The entries of a fixed row's segment boundaries: a power of two, at least `MIN_SEGMENT_SLOTS` (+ 1)."""
+    return max(MIN_SEGMENT_SLOTS, 1 << max(segments - 1, 0).bit_length()) + 1
 
 
 def can_pack(lengths: Lengths) -> bool:
@@ -108,15 +135,19 @@ def segments(lengths: Lengths, rows: torch.Tensor, groups: torch.Tensor | None) 
     return out
 
 
-def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int, groups=None) -> PackedRows:
+def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, shapes, groups=None) -> PackedRows:
     """`rows` (host indices) of the micro-batch's [B, P + C] prompt-and-completion ids, packed (`PackedRows`); where
     `groups` (host [B], each row's first row with the same prompt) is given, rows of a group share their prompt
-    (`segments`). The row is padded to a multiple of `bucket` by a sequence of its own (positions from 0), which
-    nothing reads."""
+    (`segments`). The row is padded by a sequence of its own (positions from 0), which nothing reads, as `shapes`
+    (`Shapes`, or an int: the bucket) says."""
+    shapes = shapes if isinstance(shapes, Shapes) else Shapes(shapes)
     P, _ = widths(lengths)
     parts = segments(lengths, rows, groups)
     total = sum(part[2] for part in parts)
-    pad = -total % bucket if total else bucket
+    if shapes.fixed:
+        pad = capacity(total + 1, shapes.bucket) - total  # never 0: the dummy sequence takes the keys' padding too
+    else:
+        pad = -total % shapes.bucket if total else shapes.bucket
     if pad:
         parts.append((int(rows[0]) if len(rows) else 0, P - 1, pad, 0, -1))
     table = torch.tensor(parts, dtype=torch.long).reshape(-1, 5)
@@ -132,9 +163,18 @@ def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, bucket: int, g
     packed_ids = ids.reshape(-1).index_select(0, index[0]).unsqueeze(0)
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(size, 0)]).to(torch.int32)
     starts = row_starts(table[: len(table) - (1 if pad else 0)], offset, rows)
-    keys = shared_keys(table, offset, which) if bool((table[:, 4] >= 0).any()) else None
+    keys = shared_keys(table, offset, which, shapes) if bool((table[:, 4] >= 0).any()) else None
     longest = int(size.max()) if len(size) else 0
+    if shapes.fixed:  # the boundaries' count and the longest lengths from a small set too
+        cu_seqlens = fixed_boundaries(cu_seqlens)
+        longest = int(cu_seqlens[-1])
     return PackedRows(packed_ids, index[1].unsqueeze(0), starts, cu_seqlens, longest, keys)
+
+
+def fixed_boundaries(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries padded with empty segments to `segment_slots` entries."""
+    slots = segment_slots(len(cu_seqlens) - 1)
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(slots - len(cu_seqlens))])
 
 
 def row_starts(table: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -149,21 +189,28 @@ def row_starts(table: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor) ->
     return starts
 
 
-def shared_keys(table: torch.Tensor, offset: torch.Tensor, which: torch.Tensor) -> SharedKeys:
-    """The keys of segments that share a prompt (`SharedKeys`), from the segment table."""
-    runs, lengths = [], []
+def shared_keys(table: torch.Tensor, offset: torch.Tensor, which: torch.Tensor, shapes: Shapes) -> SharedKeys:
+    """The keys of segments that share a prompt (`SharedKeys`), from the segment table; with fixed shapes, the last
+    segment (the dummy sequence) takes keys up to a capacity (it attends to more, which nothing reads)."""
+    runs = []
     for i, (_, _, size, _, shared) in enumerate(table.tolist()):
         mine = torch.arange(int(offset[i]), int(offset[i]) + size)
         theirs = torch.arange(int(offset[shared]), int(offset[shared] + table[shared, 2])) if shared >= 0 else mine[:0]
         runs.append(torch.cat([theirs, mine]))
-        lengths.append(len(runs[-1]))
-    sizes = torch.tensor(lengths)
+    if shapes.fixed:
+        extra = capacity(sum(map(len, runs)), shapes.bucket) - sum(map(len, runs))
+        runs[-1] = torch.cat([runs[-1], runs[-1][-1:].expand(extra)])
+    sizes = torch.tensor([len(run) for run in runs])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(sizes, 0)]).to(torch.int32)
+    longest = int(sizes.max())
+    if shapes.fixed:
+        cu = fixed_boundaries(cu)
+        longest = int(cu[-1])
     shares = table[:, 4] >= 0
     group = torch.where(shares, table[:, 4], torch.arange(len(table)))
     shared_prompt = torch.bincount(table[shares, 4], minlength=len(table)) > 0
     segment = torch.where(shared_prompt, -1, torch.arange(len(table)))
-    return SharedKeys(torch.cat(runs), cu, int(sizes.max()), group[which], segment[which])
+    return SharedKeys(torch.cat(runs), cu, longest, group[which], segment[which])
 
 
 def saved_tokens(lengths: Lengths, rows: torch.Tensor, groups: torch.Tensor | None) -> int:

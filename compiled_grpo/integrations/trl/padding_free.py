@@ -18,7 +18,7 @@ import torch
 
 from . import packed_attention, settings, shared_prompts, zero_advantage
 from .hidden_states import hidden_states_at_head
-from .packing import PackedRows, can_pack, pack, saved_tokens, targets
+from .packing import PackedRows, Shapes, can_pack, pack, saved_tokens, targets
 from .plan import Lengths
 
 MODES = ("auto", "pack", "trim", False)
@@ -72,6 +72,8 @@ def configure(trainer, mode, attention, bucket: int, share="auto") -> None:
     hidden = model.config.get_text_config().hidden_size
     trainer.padding_free_mode = effective_mode(mode, hidden, device, compiled_varlen)
     trainer.packed_bucket = bucket
+    # compiled layers replayed as CUDA graphs need the few shapes of fixed capacities (`packing.Shapes`)
+    trainer.packed_shapes = Shapes(bucket, fixed=trainer.compile_backbone == "graphs")
     trainer.packing_refused = None
     if trainer.padding_free_mode == "pack":
         why_not = packed_attention.runs_on(trainer.packed_attention, device, in_16_bits)
@@ -143,7 +145,7 @@ def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
     if trainer.padding_free_mode != "pack":
         return False
     if trainer.packing_refused is None:
-        trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_bucket) or ""
+        trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_shapes) or ""
         if trainer.packing_refused:
             say_once(trainer, f"{trainer.packing_refused}; micro-batches are trimmed instead of packed")
         elif trainer.share_prompts and shared_prompts.check(trainer, forward, ids, lengths):
@@ -171,7 +173,7 @@ def padded_enough(lengths: Lengths, shared: int = 0) -> bool:
     return real <= PACK_BELOW * area
 
 
-def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: int, groups=None):
+def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, shapes, groups=None):
     """(final hidden states [N, H] of every packed row the loss reads, the trained rows' model outputs, the loss
     rows' targets in them): the rows with a gradient packed and forwarded with grad, those without (under the row
     plan) packed and forwarded without, their hidden states joined; rows of one of `groups` (host [B], None: none)
@@ -180,13 +182,13 @@ def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: i
     trained, untrained = (rows, None) if plan is None else plan.rows
     parts, starts, outputs = [], torch.zeros(len(rows), dtype=torch.long), None
     if trained.numel():
-        packed = pack(ids, lengths, trained, bucket, groups)
+        packed = pack(ids, lengths, trained, shapes, groups)
         hidden, outputs = forward(packed)
         parts.append(hidden)
         starts[trained] = packed.starts
     if untrained is not None and untrained.numel():
         with torch.no_grad():
-            packed = pack(ids, lengths, untrained, bucket, groups)
+            packed = pack(ids, lengths, untrained, shapes, groups)
             hidden, _ = forward(packed)
         if not plan.stand_in:  # a stand-in forward only keeps step with the other ranks
             starts[untrained] = packed.starts + sum(p.shape[0] for p in parts)
@@ -199,10 +201,10 @@ def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, bucket: i
     return hidden, outputs, targets(lengths, loss_rows, starts[loss_rows], width, hidden.device)
 
 
-def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int = 1) -> str | None:
+def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes=1) -> str | None:
     """Why this model cannot be packed (None: it can): two sequences (the first `CHECK_TOKENS` real tokens of the
     micro-batch's first two rows, or of its one row twice) packed, against each forwarded alone, no grad; each row
-    padded to a multiple of `bucket`, as the trainer's are (so a compiled backbone meets no new shape)."""
+    padded as the trainer's are (`shapes`: so a compiled backbone meets no new shape)."""
     rows = torch.tensor([0, min(1, len(lengths.prompt) - 1)])
     prompt = lengths.prompt[rows].clamp(max=CHECK_TOKENS // 2)
     short = lengths._replace(prompt=lengths.prompt.clone(), completion=lengths.completion.clone())
@@ -210,8 +212,8 @@ def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int = 1)
     short.completion[rows] = lengths.completion[rows].clamp(max=CHECK_TOKENS - prompt)
     spans = (short.prompt[rows] + short.completion[rows]).tolist()
     with torch.no_grad():
-        both = forward(pack(ids, short, rows, bucket))[0][: sum(spans)]
-        alone = [forward(pack(ids, short, rows[i : i + 1], bucket))[0][: spans[i]] for i in range(2)]
+        both = forward(pack(ids, short, rows, shapes))[0][: sum(spans)]
+        alone = [forward(pack(ids, short, rows[i : i + 1], shapes))[0][: spans[i]] for i in range(2)]
     joined = torch.cat(alone).float()
     error = float((both.float() - joined).norm() / joined.norm().clamp(min=1e-30))
     bound = 1e-4 if both.dtype in (torch.float32, torch.float64) else 3e-2
@@ -255,7 +257,7 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
         groups = shared_prompts.groups_to_share(trainer, lengths)
         if model.training:
             log_saved_tokens(trainer, lengths, plan, groups)
-        return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_bucket, groups)
+        return packed_forward(rows_forward, ids, lengths, plan, trainer.packed_shapes, groups)
     return (*zero_advantage.split_forward(padded, model_inputs, plan), None)
 
 

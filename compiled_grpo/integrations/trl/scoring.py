@@ -43,7 +43,7 @@ def packed_logps(trainer, model, input_ids, lengths: Lengths, batch_size: int | 
     chunks = []
     for start in range(0, B, batch_size or B):
         rows = torch.arange(start, min(start + (batch_size or B), B))
-        packed = pack(input_ids, lengths, rows, trainer.packed_bucket, shared_prompts.groups_to_share(trainer, lengths))
+        packed = pack(input_ids, lengths, rows, trainer.packed_shapes, shared_prompts.groups_to_share(trainer, lengths))
         t = targets(lengths, rows, packed.starts, C, input_ids.device)
         labels = torch.full_like(packed.input_ids, -100)
         labels[0, t.row_index] = completions[rows[0] : rows[-1] + 1].reshape(-1).index_select(0, t.flat)

@@ -71,7 +71,7 @@ def check_rows(lengths: Lengths) -> torch.Tensor:
     return torch.tensor([first, next((r for r in siblings if r != first), first)])
 
 
-def sharing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int) -> str | None:
+def sharing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes) -> str | None:
     """Why this model cannot share prompts (None: it can): two completions of one prompt (`check_rows`, their first
     `CHECK_TOKENS` of prompt and of completion) packed sharing their prompt, against the same rows packed apart, no
     grad, at every position that predicts a completion token."""
@@ -84,7 +84,7 @@ def sharing_fails(forward, ids: torch.Tensor, lengths: Lengths, bucket: int) -> 
     found = []
     with torch.no_grad():
         for grouped in (together, None):
-            packed = pack(ids, short, rows, bucket, grouped)
+            packed = pack(ids, short, rows, shapes, grouped)
             hidden = forward(packed)[0]
             found.append(hidden[targets(short, rows, packed.starts, width, hidden.device).row_index].float())
     shared, apart = found
@@ -100,7 +100,7 @@ def check(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> str:
     """At the trainer's first packed micro-batch (on every rank alike): why its prompts are not shared ("": they
     are), said once."""
     if trainer.sharing_refused is None:
-        trainer.sharing_refused = sharing_fails(forward, ids, lengths, trainer.packed_bucket) or ""
+        trainer.sharing_refused = sharing_fails(forward, ids, lengths, trainer.packed_shapes) or ""
     return trainer.sharing_refused
 
 
