@@ -171,6 +171,8 @@ TRAINERS = {  # name: (trainer, its options)
         CompiledGRPOTrainer,
         {"padding_free": "pack", "packed_attention": "varlen", "compile_backbone": True},
     ),  # fmt: skip
+    # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities
+    "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
     "padded": (CompiledGRPOTrainer, {"padding_free": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
@@ -222,6 +224,7 @@ LABELS = {
     "skip-backward": "CompiledGRPOTrainer, skip_zero_advantage='backward'",
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
     "noshare": "CompiledGRPOTrainer, share_prompts=False",
+    "graphs": "CompiledGRPOTrainer, compile_backbone='graphs'",
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
     "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",
@@ -772,7 +775,8 @@ def report(args) -> None:
         "over GRPOTrainer (its time minus the bound's) that a row above the bound achieves. A `step/N` row times "
         "a whole optimizer step over a generation batch of N micro-batches (`--generation N`: TRL's "
         "`_prepare_inputs`, each micro-batch's loss and backward, fused AdamW); its bound is the backbone on every "
-        "micro-batch plus the same optimizer step."
+        "micro-batch plus the same optimizer step. `GPU busy`: the device time of one more step under the profiler "
+        "(each kernel, copy and set once): a row's own floor, which its wall clock meets where the host keeps up."
         + (TAIL_NOTE if any(r["batch"].startswith("tail") for r in rows) else "")
         + (LONG_NOTE if any(r["batch"] == "longprompt" for r in rows) else ""),
         "",

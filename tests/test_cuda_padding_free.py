@@ -98,6 +98,29 @@ def packed_step_equals_trl(tmp_path, attention, model_attention, checkpointing, 
     assert ours[2]["entropy"] == pytest.approx(theirs[2]["entropy"], rel=2e-2)
 
 
+def test_packed_step_on_graphed_layers_equals_trl_on_the_gpu(tmp_path):
+    """Layers replayed as CUDA graphs (`compile_backbone="graphs"`) on fixed shapes, checkpointed, varlen: three
+    steps (record, replay, replay) each equal GRPOTrainer's padded step on eager layers to bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    trainer = gpu_trainer(tmp_path, "varlen")
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
+    with trainer.accelerator.autocast():
+        theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
+    trainer.packed_shapes = packing.Shapes(trainer.packed_bucket, fixed=True)
+    regional_compile.compile_layers(trainer.model, graphs=True)
+    skips = counters["inductor"]["cudagraph_skips"]
+    for _ in range(3):
+        with trainer.accelerator.autocast():
+            ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+        torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=1e-3)
+        for name, g in theirs[1].items():
+            err = float((ours[1][name].float() - g.float()).norm() / g.float().norm().clamp(min=1e-12))
+            assert err <= 5e-2, f"{name}: relative error {err:.2e}"
+    assert counters["inductor"]["cudagraph_skips"] == skips  # the layers ran as graphs
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "flex_attention", "varlen"])
 def test_packed_rows_equal_rows_alone_on_the_gpu(attention):
     model = model_on_gpu("sdpa").eval()
@@ -137,11 +160,14 @@ def word_tokenizer(size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-@pytest.mark.parametrize("shape", list(QWEN_SHAPES))
-def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
+@pytest.mark.parametrize("shape, backbone", [("0.5B", "auto"), ("7B", "auto"), ("0.5B", "graphs")])
+def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing;
     compile_backbone, padding_free and packed_attention "auto": compiled layers, packed on varlen FlashAttention),
-    prompts of 4 and 60 tokens in each micro-batch (left padding that packing removes)."""
+    prompts of 4 and 60 tokens in each micro-batch (left padding that packing removes); and with
+    `compile_backbone="graphs"` (the layers replayed as CUDA graphs: Inductor skipped none)."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN_SHAPES[shape], vocab_size=QWEN_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     with torch.device("cuda"):
@@ -153,8 +179,11 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
                       logging_steps=1, report_to=[], save_strategy="no")  # fmt: skip
     trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
                                   completions], args=args, train_dataset=data, processing_class=word_tokenizer(
-                                  QWEN_VOCAB))  # fmt: skip
+                                  QWEN_VOCAB), compile_backbone=backbone)  # fmt: skip
+    skips = counters["inductor"]["cudagraph_skips"]
     trainer.train()
+    assert backbone != "graphs" or counters["inductor"]["cudagraph_skips"] == skips
+    assert trainer.packed_shapes.fixed == (backbone == "graphs")
     assert trainer.model.is_gradient_checkpointing
     assert trainer.compile_backbone and regional_compile.compiled(trainer.backbone_layers)
     assert trainer.packed_attention == "varlen"
@@ -162,7 +191,9 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape):
     assert len(logged) == 3 and all(torch.isfinite(torch.tensor(e["loss"])) for e in logged)
     assert all(e["grad_norm"] > 0 for e in logged)
     packed = sum(e["padding_free/packed_fraction"] for e in logged) / 3
-    assert packed == 1.0, packed  # "auto" packs on varlen over compiled layers at every size
+    # "auto" packs on varlen over compiled layers at every size, where a micro-batch has padding to remove (regrouped
+    # by prompt, a micro-batch of one group's full-length completions may have too little)
+    assert packed >= 0.5, packed
     assert sum(e.get("shared_prompts/saved_tokens", 0.0) for e in logged) > 0  # a group's completions share its prompt
 
 
