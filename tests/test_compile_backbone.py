@@ -121,7 +121,7 @@ def assert_falls_back_to_eager_layers(tmp_path, monkeypatch, backend, said: str)
     """With the layers compiled by `backend`, which fails: the first step says `said`, runs the layers eagerly again
     and gives TRL's loss and gradients."""
 
-    def compile_failing(model):
+    def compile_failing(model, graphs=False):
         layers = regional_compile.repeated_layers(model)
         for layer in layers:
             layer.compile(backend=backend, dynamic=True)
@@ -182,9 +182,9 @@ def test_a_first_forward_that_compiles_nothing_claims_no_compiling(tmp_path):
     assert trainer.backbone_timed is False  # the first forward that compiles is still said
 
 
-def test_compile_backbone_takes_auto_or_a_bool(tmp_path):
+def test_compile_backbone_takes_auto_graphs_or_a_bool(tmp_path):
     for bad in ("yes", 1, None):
-        with pytest.raises(TypeError, match="compile_backbone: expected 'auto', True or False"):
+        with pytest.raises(TypeError, match="compile_backbone: expected 'auto', 'graphs', True or False"):
             train(tmp_path, CompiledGRPOTrainer, "sdpa", False, compile_backbone=bad)
 
 

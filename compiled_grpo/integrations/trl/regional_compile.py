@@ -71,7 +71,8 @@ def say(message: str) -> None:
 
 
 def check_mode(compile_backbone) -> None:
-    if not (compile_backbone is True or compile_backbone is False or compile_backbone in MODES):  # not 1, not None
+    named = isinstance(compile_backbone, str) and compile_backbone in MODES
+    if not (compile_backbone is True or compile_backbone is False or named):  # not 1, not None
         raise TypeError(f"compile_backbone: expected 'auto', 'graphs', True or False, got {compile_backbone!r}")
 
 
