@@ -114,9 +114,9 @@ def test_a_completion_that_sees_its_sibling_is_caught(monkeypatch):
     differ from the rows packed apart."""
     model = tiny_qwen2()
     inputs = grouped_batch(4)
-    lengths, ids = lengths_of(inputs), torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), None)
-    assert shared_prompts.sharing_fails(forward, ids, lengths, 16) is None
+    assert shared_prompts.sharing_fails(forward, ids, 16) is None
     rule = shared_masks.visible
 
     def sees_siblings(packed, window=None):
@@ -126,7 +126,7 @@ def test_a_completion_that_sees_its_sibling_is_caught(monkeypatch):
         return rule(packed, window) | ((group[:, None] == group[None, :]) & (position[None, :] <= position[:, None]))
 
     monkeypatch.setattr(shared_masks, "visible", sees_siblings)
-    why = shared_prompts.sharing_fails(forward, ids, lengths, 16)
+    why = shared_prompts.sharing_fails(forward, ids, 16)
     assert why is not None and "differ from the same rows packed apart" in why
 
 

@@ -29,7 +29,7 @@ from .packing import pack, targets
 from .plan import Lengths
 
 MODES = ("auto", True, False)
-# The real tokens each of the two rows the check packs keeps of its prompt and of its completion.
+# The tokens of the prompt and of each of the two completions the check packs.
 CHECK_TOKENS = 12
 
 
@@ -62,31 +62,31 @@ def why_not(attention: str) -> str | None:
             "'flex_attention' can)")  # fmt: skip
 
 
-def check_rows(lengths: Lengths) -> torch.Tensor:
-    """The two rows the check packs: the row with the longest prompt and a sibling of it, or itself twice (two
-    completions of one prompt either way)."""
-    groups = lengths.groups if lengths.groups is not None else torch.arange(len(lengths.prompt))
-    first = int(torch.argmax(lengths.prompt))
-    siblings = torch.nonzero(groups == groups[first]).flatten().tolist()
-    return torch.tensor([first, next((r for r in siblings if r != first), first)])
+def check_batch(ids: torch.Tensor) -> tuple[torch.Tensor, Lengths]:
+    """Two completions of one prompt, `CHECK_TOKENS` tokens each part, of the micro-batch's token ids scrambled (any
+    ids of the model's vocabulary serve; the two completions differ where it holds two ids): their [2, prompt +
+    completion] ids and lengths, the two rows one group."""
+    n, tokens = CHECK_TOKENS, torch.unique(ids)
+    source = tokens[torch.arange(3 * n, device=ids.device) * 7919 % len(tokens)]
+    prompt, first, second = source[:n], source[n : 2 * n], source[2 * n :]
+    both = torch.stack([torch.cat([prompt, first]), torch.cat([prompt, second])])
+    ones = torch.ones(2, n, dtype=torch.long, device=ids.device)
+    full = torch.tensor([n, n])
+    return both, Lengths(full, full, True, (ones, ones), (), torch.tensor([0, 0]))
 
 
-def sharing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes) -> str | None:
-    """Why this model cannot share prompts (None: it can): two completions of one prompt (`check_rows`, their first
-    `CHECK_TOKENS` of prompt and of completion) packed sharing their prompt, against the same rows packed apart, no
-    grad, at every position that predicts a completion token."""
-    rows = check_rows(lengths)
-    short = lengths._replace(prompt=lengths.prompt.clone(), completion=lengths.completion.clone())
-    short.prompt[rows] = lengths.prompt[rows].clamp(max=CHECK_TOKENS)
-    short.completion[rows] = lengths.completion[rows].clamp(max=CHECK_TOKENS)
-    together = torch.full((len(lengths.prompt),), int(rows[0]))  # both rows in the first one's group
-    width = lengths.masks[1].shape[1]
+def sharing_fails(forward, ids: torch.Tensor, shapes) -> str | None:
+    """Why this model cannot share prompts (None: it can): two completions of one prompt (`check_batch`) packed
+    sharing it, against the same rows packed apart, no grad, at every position that predicts a completion token.
+    The same check whatever the micro-batch holds, so every rank runs the same forwards."""
+    both, lengths = check_batch(ids)
+    rows = torch.arange(2)
     found = []
     with torch.no_grad():
-        for grouped in (together, None):
-            packed = pack(ids, short, rows, shapes, grouped)
+        for grouped in (lengths.groups, None):
+            packed = pack(both, lengths, rows, shapes, grouped)
             hidden = forward(packed)[0]
-            found.append(hidden[targets(short, rows, packed.starts, width, hidden.device).row_index].float())
+            found.append(hidden[targets(lengths, rows, packed.starts, CHECK_TOKENS, hidden.device).row_index].float())
     shared, apart = found
     error = float((shared - apart).norm() / apart.norm().clamp(min=1e-30))
     bound = 1e-4 if shared.dtype in (torch.float32, torch.float64) else 3e-2
@@ -100,7 +100,7 @@ def check(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> str:
     """At the trainer's first packed micro-batch (on every rank alike): why its prompts are not shared ("": they
     are), said once."""
     if trainer.sharing_refused is None:
-        trainer.sharing_refused = sharing_fails(forward, ids, lengths, trainer.packed_shapes) or ""
+        trainer.sharing_refused = sharing_fails(forward, ids, trainer.packed_shapes) or ""
     return trainer.sharing_refused
 
 
