@@ -22,8 +22,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, padding_free, plan, zero_advantage
 
-LOGGED = ("loss", "grad_norm", "entropy")
-TRAINERS = {"dense": ("grpo", "compiled"), "zero": ("grpo", "skip-backward", "skip-all"), "long": ("grpo", "compiled")}
+LOGGED = ("loss", "grad_norm", "entropy", "shared_prompts/saved_tokens")
+TRAINERS = {"dense": ("grpo", "compiled"), "zero": ("grpo", "skip-backward", "skip-all"), "long": ("grpo", "compiled"),
+            "long-shared": ("grpo", "compiled")}  # fmt: skip
 
 
 class ZeroOnOneRank:
@@ -74,7 +75,7 @@ def train(name: str, out: Path, scenario: str) -> None:
     zero = scenario == "zero"
     extra_args = {"gradient_accumulation_steps": 2, "optim": "sgd"} if zero else {}
     extra_args["max_completion_length"] = 6
-    if scenario == "long":  # rank 0's completions up to 24 tokens, rank 1's at most 3: packed rows of unlike lengths
+    if scenario.startswith("long"):  # rank 0's completions up to 24 tokens, rank 1's at most 3: unlike lengths
         rank = int(os.environ.get("RANK", "0"))
         extra_args = {"gradient_accumulation_steps": 2, "optim": "sgd", "max_completion_length": 24,
                       "generation_kwargs": {"max_new_tokens": 24 if rank == 0 else 3}}  # fmt: skip
@@ -83,8 +84,9 @@ def train(name: str, out: Path, scenario: str) -> None:
                       bf16=False, seed=0, **extra_args)  # fmt: skip
     data = Dataset.from_dict({"prompt": ["a b c", "d e f", "1 2 a", "g h i"] * 4})
     cls, extra = (GRPOTrainer, {}) if name == "grpo" else (CompiledGRPOTrainer, {"compiled": False})
-    if scenario == "long" and name != "grpo":
+    if scenario.startswith("long") and name != "grpo":
         extra["padding_free"] = "pack"  # "auto" trims on the CPU
+        extra["share_prompts"] = scenario == "long-shared"  # and regrouped by prompt
     if name.startswith("skip-"):
         extra["skip_zero_advantage"] = name.removeprefix("skip-")
     reward = ZeroOnOneRank() if zero else digit_reward

@@ -74,12 +74,17 @@ def test_two_ranks_skip_zero_advantage_sequences_in_step_with_grpo_trainer(tmp_p
         assert any(one_wholly_other_not), ranks  # the case under test occurred: a stand-in row on one rank
 
 
-def test_two_ranks_packed_with_unlike_lengths(tmp_path):
+@pytest.mark.parametrize("scenario", ["long", "long-shared"])
+def test_two_ranks_packed_with_unlike_lengths(tmp_path, scenario):
     """Rank 0's completions up to 24 tokens, rank 1's at most 3, gradient accumulation 2: CompiledGRPOTrainer's
-    packed steps (it packs: counted) end every step with GRPOTrainer's loss and gradient norm, and no rank waits."""
-    launch(tmp_path, "long")
+    packed steps (it packs: counted) end every step with GRPOTrainer's loss and gradient norm, and no rank waits;
+    with its prompts shared and its rows regrouped by prompt too, and then its entropy, a mean per micro-batch, is
+    that of the regrouped micro-batches (so not compared)."""
+    launch(tmp_path, scenario)
     grpo, ours = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("grpo", "compiled"))
     assert len(ours["steps"]) == len(grpo["steps"]) == 3 and ours["packed_forwards"] >= 6
+    shared = sum(s.get("shared_prompts/saved_tokens") or 0.0 for s in ours["steps"])
+    assert (shared > 0) == (scenario == "long-shared"), shared
     for step, (a, b) in enumerate(zip(ours["steps"], grpo["steps"], strict=True)):
-        for key in ("loss", "grad_norm", "entropy"):
+        for key in ("loss", "grad_norm") + (("entropy",) if scenario == "long" else ()):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"step {step} {key}: {a[key]} vs {b[key]}"

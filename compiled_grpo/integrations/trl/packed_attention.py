@@ -183,12 +183,11 @@ def packed_masks(name: str | None):
         _packed_mask_of.reset(token)
 
 
-def no_masks(config) -> dict:
-    """An attention-mask mapping with no mask for each of the model's layer types: a model given it builds none (and
-    reads nothing back to find the packed sequences: `VARLEN` has their boundaries from the plan)."""
-    text = config.get_text_config()
-    types = set(getattr(text, "layer_types", None) or ()) | {"full_attention", "sliding_attention"}
-    return dict.fromkeys(types)
+def no_masks(config):
+    """No mask, in the form the model takes one ready-made (`shared_masks.as_model_takes`): a mapping with no mask for
+    each of its layer types, or an empty 4D tensor that transformers passes on as it is. A model given it builds
+    none (and reads nothing back to find the packed sequences: `VARLEN` has their boundaries from the plan)."""
+    return shared_masks.as_model_takes(config, lambda window: torch.empty(1, 1, 0, 0))
 
 
 def forward_kwargs(name: str | None, packed, config) -> dict:

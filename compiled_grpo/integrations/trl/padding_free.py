@@ -227,7 +227,7 @@ def packed_ids_forward(model, lm_head, attention: str | None):
     """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position;
     its layers attend with `attention` (None: the model's own), by the forward's own arguments (`packed_attention`)."""
 
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)  # DDP's
+    config = transformers_config(model)
 
     def forward(packed: PackedRows):
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
@@ -237,6 +237,16 @@ def packed_ids_forward(model, lm_head, attention: str | None):
         return hidden[0], outputs
 
     return forward
+
+
+def transformers_config(model):
+    """The transformers config of a model, of the model a wrapper holds (DDP's `module`; a DeepSpeed engine's own
+    `config` is its settings), or None."""
+    for candidate in (model, getattr(model, "module", None)):
+        config = getattr(candidate, "config", None)
+        if hasattr(config, "get_text_config"):
+            return config
+    return None
 
 
 def say_once(trainer, message: str) -> None:

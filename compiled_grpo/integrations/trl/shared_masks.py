@@ -21,13 +21,23 @@ def visible(packed, window: int | None = None) -> torch.Tensor:
     return seen
 
 
-def masks(attention: str, packed, config) -> dict:
-    """{layer type: mask} of the segments' rule (`visible`), as implementation `attention` takes it: a bool mask
-    (SDPA), an additive one (eager), a BlockMask (FlexAttention)."""
+def masks(attention: str, packed, config):
+    """The masks of the segments' rule (`visible`), as implementation `attention` takes them (`one_mask`), in the
+    form the model takes them ready-made (`as_model_takes`)."""
+    return as_model_takes(config, lambda window: one_mask(attention, packed, window))
+
+
+def as_model_takes(config, make):
+    """A ready-made mask for a model of `config`, `make(sliding window or None)` making one: {layer type: mask} where
+    the model has layer types (its forward takes such a mapping), else one 4D mask (which transformers passes on as
+    it is), of the model's sliding window where it has one."""
     text = config.get_text_config()
-    types = set(getattr(text, "layer_types", None) or ()) | {"full_attention", "sliding_attention"}
     window = getattr(text, "sliding_window", None)
-    return {kind: one_mask(attention, packed, window if kind == "sliding_attention" else None) for kind in types}
+    kinds = getattr(text, "layer_types", None)
+    if not kinds:
+        return make(window if getattr(text, "use_sliding_window", None) is not False else None)
+    types = set(kinds) | {"full_attention", "sliding_attention"}
+    return {kind: make(window if kind == "sliding_attention" else None) for kind in types}
 
 
 def one_mask(attention: str, packed, window: int | None):

@@ -100,7 +100,11 @@ def check(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> str:
     """At the trainer's first packed micro-batch (on every rank alike): why its prompts are not shared ("": they
     are), said once."""
     if trainer.sharing_refused is None:
-        trainer.sharing_refused = sharing_fails(forward, ids, trainer.packed_shapes) or ""
+        try:
+            trainer.sharing_refused = sharing_fails(forward, ids, trainer.packed_shapes) or ""
+        except Exception as error:  # noqa: BLE001 - a probe: a model that cannot take the masks fails here, said
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            trainer.sharing_refused = f"a forward sharing a prompt failed ({type(error).__name__}: {first})"
     return trainer.sharing_refused
 
 
