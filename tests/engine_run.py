@@ -82,8 +82,9 @@ def train(name: str, out: Path) -> None:
         compiles = getattr(trainer, "generation_compiles", None)
         generation = compiles and {"compiled": trainer.compile_generation, "calls": compiles.calls,
                                    "compiles": len(compiles.compiles), "fallback": compiles.fallback}  # fmt: skip
+        shared = sum(h.get("shared_prompts/saved_tokens", 0.0) for h in trainer.state.log_history)
         write(out, name, {"ranks": trainer.accelerator.num_processes, "engine": engine(trainer.accelerator),
-                          "steps": steps, "packed": sum(packed) / max(len(packed), 1),
+                          "steps": steps, "packed": sum(packed) / max(len(packed), 1), "shared_tokens": shared,
                           "generation": generation})  # fmt: skip
 
 
