@@ -224,6 +224,8 @@ def test_share_prompts_option(tmp_path):
     options = {"padding_free": "pack", "share_prompts": False}
     assert make_trainer(CompiledGRPOTrainer, tmp_path, tiny_qwen2(), options=options).share_prompts is False
     assert make_trainer(CompiledGRPOTrainer, tmp_path, tiny_qwen2()).share_prompts is False  # trimmed on the CPU
+    with pytest.raises(ValueError, match="share_prompts=True: micro-batches are not packed"):
+        make_trainer(CompiledGRPOTrainer, tmp_path, tiny_qwen2(), options={"share_prompts": True})
     assert shared_prompts.why_not("flash_attention_2") is not None
     assert shared_prompts.why_not("varlen") is None and shared_prompts.why_not("sdpa") is None
 

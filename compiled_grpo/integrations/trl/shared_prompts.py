@@ -1,23 +1,24 @@
 """A GRPO group's prompt forwarded once: the completions of one prompt that a packed forward holds share it.
 
 GRPO samples each prompt `num_generations` times, and a packed micro-batch would forward the same prompt once per
-completion. Where two or more of its rows have the same real prompt (`groups`), the packed row holds that prompt
-once but its last token, then each row's last prompt token and completion (`packing.segments`), positions
-continuing from the prompt's; each such segment attends to the shared tokens and causally to itself, never to a
-sibling. A causal layer's hidden state at a position depends only on the tokens before it, so every hidden state the
-loss reads is the one the row has alone (to rounding: the attention's sums run in another order), and the prompt's
-gradient is the sum of what each completion sends back through it. A group of k rows with a prompt of p tokens then
-forwards p - 1 + k of its k p prompt tokens.
+completion. Where two or more of its rows have the same real prompt (`plan.prompt_groups`), the packed row holds
+that prompt once but its last token, then each row's last prompt token and completion (`packing.segments`),
+positions continuing from the prompt's; each such segment attends to the shared tokens and causally to itself, never
+to a sibling. A causal layer's hidden state at a position depends only on the tokens before it, so every hidden
+state the loss reads is the one the row has alone (to rounding: the attention's sums run in another order), and the
+prompt's gradient is the sum of what each completion sends back through it. A group of k rows with a prompt of p
+tokens then forwards p - 1 + k of its k p prompt tokens.
 
 The attention of a shared row: torch's varlen FlashAttention with each segment's keys gathered (its shared prompt's,
 then its own: `packed_attention.varlen_attention`), or a mask of the segments' rule for SDPA, eager attention and
-FlexAttention (`shared_masks`), passed for each layer type with the forward's arguments, so that a checkpointed layer's
-recomputation attends as its forward did. Other implementations (the model's own FlashAttention, which finds the
-sequences from the positions) do not share. The first shared micro-batch is checked against the same rows packed
-unshared (`sharing_fails`); a model that fails (its layers build their own masks, or ignore the positions) is packed
-unshared from then on, said once. `share_prompts="auto"` (the default) and True share wherever micro-batches are
-packed; False never does. The trainer logs `shared_prompts/saved_tokens` (the prompt tokens a micro-batch did not
-forward again) with its metrics.
+FlexAttention (`shared_masks`), passed with the forward's arguments in the form the model takes a ready-made mask,
+so that a checkpointed layer's recomputation attends as its forward did. Other implementations (the model's own
+FlashAttention, which finds the sequences from the positions) do not share. At the first packed micro-batch two
+completions of one prompt packed sharing it are checked against the same rows packed apart (`sharing_fails`); a
+model that fails (its layers build their own masks, or ignore the positions) is packed unshared from then on, said
+once. `share_prompts="auto"` (the default) shares wherever micro-batches are packed; True is a ValueError where they
+are not packed or their attention cannot share; False never shares. The trainer logs `shared_prompts/saved_tokens`
+(the prompt tokens a micro-batch did not forward again) with its metrics.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def configure(trainer, mode) -> None:
     `sharing_refused` None until the first shared micro-batch is checked, "" where it passed."""
     check_mode(mode)
     trainer.share_prompts, trainer.sharing_refused = False, None
+    if mode is True and trainer.padding_free_mode != "pack":
+        raise ValueError(f"share_prompts=True: micro-batches are not packed here (padding_free resolved to "
+                         f"{trainer.padding_free_mode!r}); pass padding_free='pack'")  # fmt: skip
     if mode is False or trainer.padding_free_mode != "pack":
         return
     config = trainer.accelerator.unwrap_model(trainer.model).config
