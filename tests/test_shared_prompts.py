@@ -278,3 +278,17 @@ def test_regrouping_puts_a_prompts_completions_side_by_side(skip):
         assert out == [["5:1.0", "5:2.0", "5:6.0"], ["7:3.0", "9:4.0", "9:5.0"], ["7:0.0", "7:0.0", "9:0.0"]]
     else:
         assert out == [["5:1.0", "5:2.0", "5:6.0"], ["7:0.0", "7:3.0", "7:0.0"], ["9:0.0", "9:4.0", "9:5.0"]]
+
+
+def test_prompt_groups_compare_exactly_a_block_at_a_time(monkeypatch):
+    """Each row's first row with the same real prompt: the same ids under another mask (one more left-padded token)
+    is another prompt; compared two rows at a time, the same answer."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 50, (12, 30), generator=g)
+    ids[5], ids[9], ids[11] = ids[2], ids[2], ids[0]
+    mask = torch.ones_like(ids)
+    mask[9, 0] = 0  # row 9: row 2's ids, its first one padding
+    expected = [0, 1, 2, 3, 4, 2, 6, 7, 8, 9, 10, 0]
+    assert plan.prompt_groups(ids, mask).tolist() == expected
+    monkeypatch.setattr(plan, "COMPARED_AT_ONCE", 2 * ids.numel())
+    assert plan.prompt_groups(ids, mask).tolist() == expected

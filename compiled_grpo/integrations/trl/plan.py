@@ -13,6 +13,8 @@ import torch
 
 # The key under which a micro-batch carries its plan (`annotate`).
 PLAN = "compiled_grpo_plan"
+# Token pairs `prompt_groups` compares at once (bytes of its largest temporary).
+COMPARED_AT_ONCE = 1 << 25
 
 
 class ZeroRows(NamedTuple):
@@ -74,10 +76,15 @@ def real_spans(inputs: dict) -> torch.Tensor:
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
     """[B] on the device: each row's first row with the same real prompt (the same tokens on the same mask): the
-    rows of a GRPO group share one."""
+    rows of a GRPO group share one. Compared exactly, a block of rows at a time (`COMPARED_AT_ONCE` token pairs:
+    a generation batch of 256 rows of 4096-token prompts would take 256 MiB at once), without a wait."""
     real = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
-    same = (real[:, None, :] == real[None, :, :]).all(-1)
-    return same.int().argmax(1)  # the first match: a row matches itself at the latest
+    rows = max(COMPARED_AT_ONCE // max(real.numel(), 1), 1)
+    firsts = []
+    for block in real.split(rows):
+        same = (block[:, None, :] == real[None, :, :]).all(-1)
+        firsts.append(same.int().argmax(1))  # the first match: a row matches itself at the latest
+    return torch.cat(firsts) if firsts else real.new_zeros(0)
 
 
 def lengths_of(span: torch.Tensor, masks: tuple) -> Lengths:
