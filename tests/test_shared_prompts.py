@@ -109,6 +109,19 @@ def test_shared_prompts_give_the_hidden_states_and_gradients_of_rows_packed_apar
     assert packed.cu_seqlens[-2] == real - saved  # the dummy sequence aside, the shared row holds that many tokens
 
 
+def let_completions_see_their_siblings(monkeypatch) -> None:
+    """The sabotage: the segments' rule widened so that every position of a group sees its earlier positions,
+    siblings' included."""
+    rule = shared_masks.visible
+
+    def sees_siblings(packed, window=None):
+        group = packed.keys.group.to(packed.input_ids.device)
+        position = packed.position_ids[0]
+        return rule(packed, window) | ((group[:, None] == group[None, :]) & (position[None, :] <= position[:, None]))
+
+    monkeypatch.setattr(shared_masks, "visible", sees_siblings)
+
+
 def test_a_completion_that_sees_its_sibling_is_caught(monkeypatch):
     """The sabotage: members of a group attend to each other's tokens; the check refuses it and the hidden states
     differ from the rows packed apart."""
@@ -117,15 +130,7 @@ def test_a_completion_that_sees_its_sibling_is_caught(monkeypatch):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), None)
     assert shared_prompts.sharing_fails(forward, ids, 16) is None
-    rule = shared_masks.visible
-
-    def sees_siblings(packed, window=None):
-        keys = packed.keys
-        group = keys.group.to(packed.input_ids.device)
-        position = packed.position_ids[0]
-        return rule(packed, window) | ((group[:, None] == group[None, :]) & (position[None, :] <= position[:, None]))
-
-    monkeypatch.setattr(shared_masks, "visible", sees_siblings)
+    let_completions_see_their_siblings(monkeypatch)
     why = shared_prompts.sharing_fails(forward, ids, 16)
     assert why is not None and "differ from the same rows packed apart" in why
 
@@ -245,14 +250,7 @@ def test_a_step_whose_completions_see_their_siblings_differs_from_trls(tmp_path,
     """The sabotage on the trainer's step, its check bypassed: the loss or a gradient must differ from TRL's."""
     trainer = trainer_for(tmp_path, loss_type="dapo")
     inputs = with_logps(trainer, grouped_batch(4), 0.0)
-    rule = shared_masks.visible
-
-    def sees_siblings(packed, window=None):
-        group = packed.keys.group.to(packed.input_ids.device)
-        position = packed.position_ids[0]
-        return rule(packed, window) | ((group[:, None] == group[None, :]) & (position[None, :] <= position[:, None]))
-
-    monkeypatch.setattr(shared_masks, "visible", sees_siblings)
+    let_completions_see_their_siblings(monkeypatch)
     trainer.packing_refused, trainer.sharing_refused = "", ""  # as if the check had passed
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
     ours = loss_and_grads(trainer._compute_loss, trainer, inputs)

@@ -67,8 +67,7 @@ def registered_name(own: str) -> str:
 
 def own_implementation(model) -> str:
     """The model's own attention implementation (through the dispatcher, the one it falls back to)."""
-    name = model.config._attn_implementation or "eager"
-    return name.removeprefix(PREFIX)
+    return own_implementation_of(model.config)
 
 
 def installed(model) -> bool:

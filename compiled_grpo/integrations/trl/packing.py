@@ -162,8 +162,12 @@ def pack(ids: torch.Tensor, lengths: Lengths, rows: torch.Tensor, shapes, groups
     index = to_device(torch.stack([flat, positions]), ids.device)
     packed_ids = ids.reshape(-1).index_select(0, index[0]).unsqueeze(0)
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(size, 0)]).to(torch.int32)
-    starts = row_starts(table[: len(table) - (1 if pad else 0)], offset, rows)
-    keys = shared_keys(table, offset, which, shapes) if bool((table[:, 4] >= 0).any()) else None
+    shares = table[:, 4] >= 0  # member segments (of a group sharing the prompt segment they name)
+    shared_prompt = torch.zeros(len(table), dtype=torch.bool)
+    shared_prompt[table[shares, 4]] = True
+    real = len(table) - (1 if pad else 0)  # the segments but the dummy sequence
+    starts = row_starts(table[:real], offset, rows, shared_prompt[:real])
+    keys = shared_keys(table, offset, which, shapes, shared_prompt) if bool(shares.any()) else None
     longest = int(size.max()) if len(size) else 0
     if shapes.fixed:  # the boundaries' count and the longest lengths from a small set too
         cu_seqlens = fixed_boundaries(cu_seqlens)
@@ -177,21 +181,21 @@ def fixed_boundaries(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(slots - len(cu_seqlens))])
 
 
-def row_starts(table: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Where each of `rows` starts (`PackedRows.starts`): its segment's offset less the positions before it."""
+def row_starts(table: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor, shared_prompt) -> torch.Tensor:
+    """Where each of `rows` starts (`PackedRows.starts`): its own segment's offset less the positions before it (a
+    row's own segment: its member segment where it shares a prompt, its only one elsewhere)."""
     starts = torch.zeros(len(rows), dtype=torch.long)
-    shares = table[:, 4] >= 0  # a row's own segment: its member segment where it shares, its only one elsewhere
-    shared_prompt = torch.zeros(len(table), dtype=torch.bool)
-    shared_prompt[table[shares, 4]] = True
     slot = {row: i for i, row in enumerate(rows.tolist())}
     for i in torch.nonzero(~shared_prompt).flatten().tolist():
         starts[slot[int(table[i, 0])]] = offset[i] - table[i, 3]
     return starts
 
 
-def shared_keys(table: torch.Tensor, offset: torch.Tensor, which: torch.Tensor, shapes: Shapes) -> SharedKeys:
-    """The keys of segments that share a prompt (`SharedKeys`), from the segment table; with fixed shapes, the last
-    segment (the dummy sequence) takes keys up to a capacity (it attends to more, which nothing reads)."""
+def shared_keys(table: torch.Tensor, offset: torch.Tensor, which: torch.Tensor, shapes: Shapes,
+                shared_prompt: torch.Tensor) -> SharedKeys:  # fmt: skip
+    """The keys of segments that share a prompt (`SharedKeys`), from the segment table and which of its segments are
+    shared prompts; with fixed shapes, the last segment (the dummy sequence) takes keys up to a capacity (it attends
+    to more, which nothing reads)."""
     runs = []
     for i, (_, _, size, _, shared) in enumerate(table.tolist()):
         mine = torch.arange(int(offset[i]), int(offset[i]) + size)
@@ -206,9 +210,7 @@ def shared_keys(table: torch.Tensor, offset: torch.Tensor, which: torch.Tensor, 
     if shapes.fixed:
         cu = fixed_boundaries(cu)
         longest = int(cu[-1])
-    shares = table[:, 4] >= 0
-    group = torch.where(shares, table[:, 4], torch.arange(len(table)))
-    shared_prompt = torch.bincount(table[shares, 4], minlength=len(table)) > 0
+    group = torch.where(table[:, 4] >= 0, table[:, 4], torch.arange(len(table)))
     segment = torch.where(shared_prompt, -1, torch.arange(len(table)))
     return SharedKeys(torch.cat(runs), cu, longest, group[which], segment[which])
 

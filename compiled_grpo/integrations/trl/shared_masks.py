@@ -36,8 +36,14 @@ def as_model_takes(config, make):
     kinds = getattr(text, "layer_types", None)
     if not kinds:
         return make(window if getattr(text, "use_sliding_window", None) is not False else None)
-    types = set(kinds) | {"full_attention", "sliding_attention"}
-    return {kind: make(window if kind == "sliding_attention" else None) for kind in types}
+    by_window = {}  # a [N, N] mask built once per window, whatever the number of layer types that take it
+    mapping = {}
+    for kind in set(kinds) | {"full_attention", "sliding_attention"}:  # a type no layer has gets the full one
+        size = window if kind == "sliding_attention" and kind in kinds else None
+        if size not in by_window:
+            by_window[size] = make(size)
+        mapping[kind] = by_window[size]
+    return mapping
 
 
 def one_mask(attention: str, packed, window: int | None):
