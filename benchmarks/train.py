@@ -310,6 +310,17 @@ def summary_lines(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def clip_at(ax, rows: list[dict], width: float) -> None:
+    """A linear axis sized to the later steps (a log axis hides stacked parts): the compiling steps above it are cut
+    and their totals written on them."""
+    top = 1.3 * max(s["wall_s"] for r in rows for s in r["steps"][2:] or r["steps"])
+    ax.set_ylim(0, top)
+    for i, row in enumerate(rows):
+        for k, step in enumerate(row["steps"]):
+            if step["wall_s"] > top:
+                ax.text(k + i * width, 0.97 * top, f"{step['wall_s']:.0f} s", ha="center", va="top", fontsize=7)
+
+
 def draw(rows: list[dict], path: Path, title: str) -> None:
     """Each run's steps as stacked bars (generation below, the rest of the step above), one panel per model."""
     import matplotlib
@@ -329,11 +340,11 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
             color = plt.cm.tab10(list(ROWS).index(row["row"]))
             ax.bar(x, generation, width, color=color, label=f"{ROWS[row['row']]}: generation")
             ax.bar(x, rest, width, bottom=generation, color=color, alpha=0.45, hatch="//", label="  rest of the step")
-        ax.set_yscale("log")
+        clip_at(ax, mine, width)
         ax.set_xticks([k + 0.4 - width / 2 for k in range(max(len(r["steps"]) for r in mine))])
         ax.set_xticklabels([str(k + 1) for k in range(max(len(r["steps"]) for r in mine))])
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("seconds (log)")
+        ax.set_ylabel("seconds")
         ax.set_title(f"{model}: each step's generation (solid) and the rest of the step (hatched)")
         ax.legend(fontsize=7, ncol=2, loc="upper right")
     fig.suptitle(title)
