@@ -6,7 +6,9 @@ a layer that fails to compile runs eagerly, said once."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
+import types
 import warnings
 
 import pytest
@@ -194,3 +196,35 @@ def test_auto_compiles_on_a_gpu_where_no_engine_shards_the_parameters():
     assert regional_compile.effective_mode("auto", cuda, shards_parameters=True) is False
     assert regional_compile.effective_mode("auto", cpu, shards_parameters=False) is False
     assert regional_compile.effective_mode(True, cpu, shards_parameters=True) is True
+
+
+FRESH_NAMES = itertools.count()
+
+
+def last_graph_run_after_a_static_then_a_dynamic_compile() -> int:
+    """Which of a function's two graphs runs a call both accept: the static one compiled first (0) or the dynamic
+    one dynamo compiled at the second shape (1)."""
+    ran: list[int] = []
+    compiled_graphs = 0
+
+    def backend(graph, example_inputs):
+        nonlocal compiled_graphs
+        index, compiled_graphs = compiled_graphs, compiled_graphs + 1
+        return lambda *args: (ran.append(index), graph(*args))[1]
+
+    # a code object and name of its own: dynamo keeps graphs per code object, and what it saw of shapes per name
+    code = (lambda x: x * 2).__code__.replace(co_name=f"double_{next(FRESH_NAMES)}")
+    double = torch.compile(types.FunctionType(code, globals()), backend=backend)
+    for size in (3, 4, 3):
+        double(torch.ones(size))
+    assert compiled_graphs == 2
+    return ran[-1]
+
+
+def test_compiled_layers_make_a_recomputation_run_its_forwards_graph(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_local_pgo", False)  # a first graph static each time
+    torch._C._dynamo.eval_frame._set_lru_cache(True)  # dynamo's default: the most recently used valid graph first
+    assert last_graph_run_after_a_static_then_a_dynamic_compile() == 1
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    assert len(regional_compile.compile_layers(torch.nn.Sequential(layers))) == 2
+    assert last_graph_run_after_a_static_then_a_dynamic_compile() == 0

@@ -53,7 +53,20 @@ def compile_layers(model: torch.nn.Module, graphs: bool = False) -> list[torch.n
     layers = repeated_layers(model)
     for layer in layers:
         layer.compile(dynamic=True, **({"mode": "reduce-overhead"} if graphs else {}))
+    if layers:
+        pick_graphs_in_compile_order()
     return layers
+
+
+def pick_graphs_in_compile_order() -> None:
+    """Dynamo runs the first of a code's valid graphs in the order they were compiled, not the most recently used
+    first (this process's setting): a checkpointed layer's recomputation then runs the graph its forward ran. Where
+    two graphs of the layer's code accept the same call (a static one and the dynamic one compiled after it), the
+    most-recent-first order can switch between a forward and its recomputation, whose saved tensors then differ
+    (pytorch issue 166926)."""
+    set_lru = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
+    if set_lru is not None:
+        set_lru(False)
 
 
 def uncompile(layers: list[torch.nn.Module]) -> None:
