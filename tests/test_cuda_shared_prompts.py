@@ -50,9 +50,8 @@ def test_shared_rows_equal_rows_packed_apart_on_the_gpu(attention, compiled, G):
         hidden = forward(packed)[0]
         read = hidden[packing.targets(lengths, rows, packed.starts, C, hidden.device).row_index]
         (read.float() * weights).sum().backward()  # the head takes no part: its weight has no grad
-        found.append(
-            (read.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, packed.keys)
-        )
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        found.append((read.detach(), grads, packed.keys))
     (shared, shared_grads, keys), (apart, apart_grads, _) = found
     assert keys is not None and apart_grads and shared_grads.keys() == apart_grads.keys()
     assert relative(shared, apart) <= 1e-2
