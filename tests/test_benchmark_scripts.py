@@ -420,3 +420,17 @@ def test_the_liger_row_patches_liger_in_for_its_own_steps_only():
     assert seen[0] == seen[2] == ["LigerRMSNorm.forward", "LigerSwiGLUMLP.forward", "liger_rotary_pos_emb"], seen
     assert seen[1] == ["Qwen2RMSNorm.forward", "Qwen2MLP.forward", "apply_rotary_pos_emb"], seen
     assert "forward" not in vars(model.model.norm) and modeling.apply_rotary_pos_emb is rope
+
+
+def test_layer_call_costs_run_each_row_in_its_own_process(tmp_path):
+    """`benchmarks.diagnostics.layer_calls` on the CPU, the eager row (nothing to compile): a child's per-call times
+    come back and are written; an unknown row is refused."""
+    import json
+
+    from benchmarks.diagnostics import layer_calls
+
+    layer_calls.main(["--rows", "eager", "--layers", "2", "--repeats", "3", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "layer-calls-cpu.json").read_text())["rows"]
+    assert row["row"] == "eager" and 0 < row["forward_us"] < row["step_us"], row
+    with pytest.raises(SystemExit):
+        layer_calls.main(["--rows", "eager,fast", "--out", str(tmp_path)])
