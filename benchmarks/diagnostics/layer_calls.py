@@ -10,14 +10,21 @@ Rows:
   compiled-lru: the same with dynamo's own order (the most recently used graph first);
   compiled-no-module-guards: the same as `compiled` with dynamo's guards on nn.Module attributes dropped
     (`torch.compiler.skip_guard_on_all_nn_modules_unsafe`), what those guards cost per call;
-  graphs: `compile_backbone="graphs"`: each layer's call replayed as a CUDA graph (GPU only).
+  graphs: `compile_backbone="graphs"`: each layer's call replayed as a CUDA graph (GPU only);
+  stack: the whole stack as one compiled region, each layer checkpointed inside it (the loop unrolled: one graph of
+    every layer, whose compile time grows with the depth);
+  stack-nested: the same with the layer's forward a `torch.compiler.nested_compile_region` (compiled once, called
+    per layer);
+  stack-nested-static: the same on static shapes (a graph per length, as packed rows padded to a few capacities
+    would meet them).
 
     python -m benchmarks.diagnostics.layer_calls [--rows eager,compiled,...] [--layers 28] [--repeats 30]
         [--no-checkpointing] [--out DIR] [--suffix=-run2]
 
 Per row: the median wall clock per layer call of a forward alone and of a forward + backward (synchronized), in
-microseconds, over sequence lengths taking turns (16, 17, 18: dynamic shapes, one graph); on a GPU also the
-device's busy time of one forward + backward per layer call. Writes `layer-calls-<device>.json`.
+microseconds, over sequence lengths taking turns (16, 17, 18: dynamic shapes, one graph); the warm-up's seconds
+(compiling), dynamo's graph breaks and the reasons it ran code eagerly (a region that failed to compile); on a GPU
+also the device's busy time of one forward + backward per layer call. Writes `layer-calls-<device>.json`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pathlib import Path
 import torch
 
 ROWS = ("eager", "compiled", "compiled-lru", "compiled-no-module-guards", "graphs")
+ROWS += ("stack", "stack-nested", "stack-nested-static")
 LENGTHS = (16, 17, 18)
 
 
@@ -47,10 +55,15 @@ def stack(layers: int):
     return blocks, Qwen2RotaryEmbedding(config)
 
 
-def prepare(row: str, blocks: torch.nn.ModuleList) -> None:
-    """The layers run as `row` says."""
+def prepare(row: str, blocks: torch.nn.ModuleList):
+    """The layers set up as `row` says; the forward through them, `forward(blocks, h, embeddings, positions, ckpt)`."""
     from compiled_grpo.integrations.trl import regional_compile
 
+    if row.startswith("stack"):
+        if row.startswith("stack-nested"):
+            kind = type(blocks[0])
+            kind.forward = torch.compiler.nested_compile_region(kind.forward)
+        return torch.compile(through_layers, dynamic=not row.endswith("static"))
     if row == "compiled-no-module-guards":
         guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         for block in blocks:
@@ -60,39 +73,52 @@ def prepare(row: str, blocks: torch.nn.ModuleList) -> None:
         regional_compile.compile_layers(torch.nn.Sequential(blocks), graphs=row == "graphs")
     if row == "compiled-lru":
         torch._C._dynamo.eval_frame._set_lru_cache(True)
+    return through_layers
 
 
-def step(blocks, rope, length: int, backward: bool, checkpointing: bool, device: str) -> None:
-    """One forward through every layer (each checkpointed if `checkpointing`), and its backward if `backward`."""
-    x = torch.randn(1, length, 64, device=device, requires_grad=backward)
-    positions = torch.arange(length, device=device)[None]
-    embeddings = rope(x, positions)
-    h = x
+def through_layers(blocks, h, embeddings, positions, ckpt: bool):
+    """`h` through every layer, each one's call checkpointed (non-reentrant) if `ckpt`."""
     for block in blocks:
         call = lambda h, block=block: block(h, position_embeddings=embeddings, position_ids=positions)  # noqa: E731
-        h = torch.utils.checkpoint.checkpoint(call, h, use_reentrant=False) if checkpointing and backward else call(h)
+        h = torch.utils.checkpoint.checkpoint(call, h, use_reentrant=False) if ckpt else call(h)
         h = h[0] if isinstance(h, tuple) else h
+    return h
+
+
+def step(forward, blocks, rope, length: int, backward: bool, checkpointing: bool, device: str) -> None:
+    """One forward through every layer (checkpointed if `checkpointing` and `backward`), and its backward if
+    `backward`."""
+    x = torch.randn(1, length, 64, device=device, requires_grad=backward)
+    positions = torch.arange(length, device=device)[None]
+    h = forward(blocks, x, rope(x, positions), positions, checkpointing and backward)
     if backward:
         h.sum().backward()
 
 
 def measure_row(row: str, layers: int, repeats: int, checkpointing: bool) -> dict:
-    """{row, forward_us, step_us[, busy_us]}: per layer call, medians over `repeats` calls after a warm-up."""
+    """{row, forward_us, step_us, warmup_s, graph_breaks, not_compiled[, busy_us]}: per layer call, medians over
+    `repeats` calls after a warm-up; `not_compiled`, why dynamo ran parts eagerly."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     blocks, rope = stack(layers)
     blocks, rope = blocks.to(device), rope.to(device)
-    prepare(row, blocks)
-    result = {"row": row}
+    forward = prepare(row, blocks)
+    result = {"row": row, "warmup_s": 0.0}
     for backward, key in ((False, "forward_us"), (True, "step_us")):
-        runs = [lambda n=n, b=backward: step(blocks, rope, n, b, checkpointing, device) for n in LENGTHS]
+        runs = [lambda n=n, b=backward: step(forward, blocks, rope, n, b, checkpointing, device) for n in LENGTHS]
+        start = time.perf_counter()
         for run in runs * 3:  # compiles, records graphs, warms caches
             run()
+        result["warmup_s"] += time.perf_counter() - start
         result[key] = median_us(runs, repeats, device) / layers
+    counters = torch._dynamo.utils.counters
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    result["not_compiled"] = [reason.split("\n")[0] for reason in counters["unimplemented"]]  # ran eagerly instead
     if device == "cuda":
         from benchmarks.timing import busy_ms
 
-        result["busy_us"] = busy_ms(lambda: step(blocks, rope, LENGTHS[0], True, checkpointing, device)) * 1e3 / layers
+        one = lambda: step(forward, blocks, rope, LENGTHS[0], True, checkpointing, device)  # noqa: E731
+        result["busy_us"] = busy_ms(one) * 1e3 / layers
     return result
 
 
