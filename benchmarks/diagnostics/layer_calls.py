@@ -30,14 +30,16 @@ also the device's busy time of one forward + backward per layer call. Writes `la
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.timing import busy_ms, wall_median_ms
 
 ROWS = ("eager", "compiled", "compiled-lru", "compiled-no-module-guards", "graphs")
 ROWS += ("stack", "stack-nested", "stack-nested-static")
@@ -115,8 +117,6 @@ def measure_row(row: str, layers: int, repeats: int, checkpointing: bool) -> dic
     result["graph_breaks"] = sum(counters["graph_break"].values())
     result["not_compiled"] = [reason.split("\n")[0] for reason in counters["unimplemented"]]  # ran eagerly instead
     if device == "cuda":
-        from benchmarks.timing import busy_ms
-
         one = lambda: step(forward, blocks, rope, LENGTHS[0], True, checkpointing, device)  # noqa: E731
         result["busy_us"] = busy_ms(one) * 1e3 / layers
     return result
@@ -124,14 +124,14 @@ def measure_row(row: str, layers: int, repeats: int, checkpointing: bool) -> dic
 
 def median_us(runs: list, repeats: int, device: str) -> float:
     """Median synchronized wall clock (us) of the runs taking turns, `repeats` calls in all."""
-    times = []
-    for i in range(repeats):
-        start = time.perf_counter()
-        runs[i % len(runs)]()
+    turns = itertools.cycle(runs)
+
+    def one() -> None:
+        next(turns)()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+
+    return wall_median_ms(one, repeats) * 1e3
 
 
 def run_in_child(row: str, args) -> dict:
