@@ -186,7 +186,7 @@ def test_a_first_forward_that_compiles_nothing_claims_no_compiling(tmp_path):
 
 def test_compile_backbone_takes_auto_graphs_or_a_bool(tmp_path):
     for bad in ("yes", 1, None):
-        with pytest.raises(TypeError, match="compile_backbone: expected 'auto', 'graphs', True or False"):
+        with pytest.raises(TypeError, match="compile_backbone: expected 'auto', 'graphs', 'stack', True or False"):
             train(tmp_path, CompiledGRPOTrainer, "sdpa", False, compile_backbone=bad)
 
 

@@ -14,9 +14,11 @@ and logs `padding_free/packed_fraction` and `padding_free/real_tokens` with its 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from . import packed_attention, settings, shared_prompts, zero_advantage
+from . import packed_attention, regional_compile, settings, shared_prompts, zero_advantage
 from .hidden_states import hidden_states_at_head
 from .packing import PackedRows, Shapes, can_pack, pack, saved_tokens, targets
 from .plan import Lengths
@@ -72,8 +74,8 @@ def configure(trainer, mode, attention, bucket: int, share="auto") -> None:
     hidden = model.config.get_text_config().hidden_size
     trainer.padding_free_mode = effective_mode(mode, hidden, device, compiled_varlen)
     trainer.packed_bucket = bucket
-    # compiled layers replayed as CUDA graphs need the few shapes of fixed capacities (`packing.Shapes`)
-    trainer.packed_shapes = Shapes(bucket, fixed=trainer.compile_backbone == "graphs")
+    # layers replayed as CUDA graphs, or run as one stack on static shapes, need the few shapes of fixed capacities
+    trainer.packed_shapes = Shapes(bucket, fixed=trainer.compile_backbone in ("graphs", "stack"))
     trainer.packing_refused = None
     if trainer.padding_free_mode == "pack":
         why_not = packed_attention.runs_on(trainer.packed_attention, device, in_16_bits)
@@ -223,16 +225,18 @@ def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes=1) -> str
             "model does not keep packed sequences apart (its attention ignores the positions' restarts)")  # fmt: skip
 
 
-def packed_ids_forward(model, lm_head, attention: str | None):
+def packed_ids_forward(model, lm_head, attention: str | None, stack=None):
     """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position;
-    its layers attend with `attention` (None: the model's own), by the forward's own arguments (`packed_attention`)."""
+    its layers attend with `attention` (None: the model's own), by the forward's own arguments (`packed_attention`),
+    run as one compiled call where `stack` (`compiled_stack.Stack`) is given."""
 
     config = transformers_config(model)
+    layers = stack.running if stack is not None else contextlib.nullcontext
 
     def forward(packed: PackedRows):
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   **packed_attention.forward_kwargs(attention, packed, config)}  # fmt: skip
-        with packed_attention.packed_masks(attention):
+        with packed_attention.packed_masks(attention), layers():
             hidden, outputs = hidden_states_at_head(model, lm_head, inputs)
         return hidden[0], outputs
 
@@ -258,7 +262,8 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     micro-batch can be (`packs`), else `padded(rows)` on its rows as given (trimmed where
     `lengths` is known), split by the row plan."""
     lm_head = settings.unwrapped(trainer, model).get_output_embeddings()
-    rows_forward = packed_ids_forward(model, lm_head, trainer.packed_attention)
+    stack = regional_compile.stack_of(trainer, model)
+    rows_forward = packed_ids_forward(model, lm_head, trainer.packed_attention, stack)
     ids = model_inputs["input_ids"]
     packed = lengths is not None and packs(trainer, rows_forward, ids, lengths)
     if lengths is not None and model.training:

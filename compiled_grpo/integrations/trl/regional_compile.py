@@ -13,6 +13,9 @@ compiling fails at a layer's first call, the layers run eagerly again and the re
 (`BackboneNotice`). `compile_backbone="graphs"` also replays each compiled layer as CUDA graphs (Inductor's
 `reduce-overhead`), a graph per shape, the packed rows padded to a few fixed capacities (`packing.Shapes`) so that
 the shapes are few: the host then launches one graph per layer call instead of its kernels.
+`compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as one compiled call on
+those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why and compiles them
+by region alone).
 `compile_backbone="auto"` (the default) compiles on a GPU where no engine shards the parameters
 (measured on an H200, Qwen2.5 shapes, checkpointed optimizer steps: 1.3-2x faster steps at 0.5B-7B, docs/
 performance.md); ZeRO-3 and FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real model's
@@ -29,8 +32,9 @@ import torch
 import torch._dynamo.utils
 
 from ... import kernels
+from . import compiled_stack
 
-MODES = ("auto", "graphs", True, False)
+MODES = ("auto", "graphs", "stack", True, False)
 
 
 class BackboneNotice(UserWarning):
@@ -69,6 +73,25 @@ def pick_graphs_in_compile_order() -> None:
         set_lru(False)
 
 
+def stack_layers(trainer, models: list) -> None:
+    """Each model's layers set up to run a packed forward as one compiled call (`compiled_stack.Stack`), where they
+    can (said where not); `trainer.backbone_stacks`, by the model's id."""
+    why_not = "an engine shards the parameters" if trainer.shards_parameters else None
+    for model in models:
+        why_not = why_not or compiled_stack.check(model)
+        if why_not:
+            say(f"compile_backbone='stack': {why_not}; the layers are compiled by region alone")
+            trainer.backbone_stacks = {}
+            return
+        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(repeated_layers(model))
+
+
+def stack_of(trainer, model):
+    """The stack of `model`'s layers (`stack_layers`), or None."""
+    stacks = getattr(trainer, "backbone_stacks", None)
+    return stacks.get(id(trainer.accelerator.unwrap_model(model))) if stacks else None
+
+
 def uncompile(layers: list[torch.nn.Module]) -> None:
     """The layers' calls eager again."""
     for layer in layers:
@@ -86,14 +109,16 @@ def say(message: str) -> None:
 def check_mode(compile_backbone) -> None:
     named = isinstance(compile_backbone, str) and compile_backbone in MODES
     if not (compile_backbone is True or compile_backbone is False or named):  # not 1, not None
-        raise TypeError(f"compile_backbone: expected 'auto', 'graphs', True or False, got {compile_backbone!r}")
+        raise TypeError(
+            f"compile_backbone: expected 'auto', 'graphs', 'stack', True or False, got {compile_backbone!r}"
+        )
 
 
 def configure(trainer, compile_backbone) -> None:
     """The trainer's choice (`effective_mode`; `check_mode` checked it before), nothing compiled yet
     (`compile_trainer_backbone` does it)."""
     trainer.compile_backbone = effective_mode(compile_backbone, trainer.accelerator.device, trainer.shards_parameters)
-    trainer.backbone_layers, trainer.backbone_timed = None, False
+    trainer.backbone_layers, trainer.backbone_timed, trainer.backbone_stacks = None, False, {}
 
 
 def effective_mode(mode, device: torch.device, shards_parameters: bool) -> bool:
@@ -114,6 +139,8 @@ def compile_trainer_backbone(trainer) -> None:
     if not trainer.backbone_layers:
         say("compile_backbone: no repeated layers found in the model; its forwards run eagerly")
         return
+    if trainer.compile_backbone == "stack":
+        stack_layers(trainer, models)
     kind = type(trainer.backbone_layers[0]).__name__
     how = ", replayed as CUDA graphs (one per packed capacity)" if graphs else ""
     say(f"compile_backbone: {len(trainer.backbone_layers)} {kind} layers compiled by region (torch.compile, dynamic "
@@ -148,6 +175,7 @@ def forward_or_fall_back(trainer, forward):
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
             torch._dynamo.exc.TorchRuntimeError) as error:  # fmt: skip
         uncompile(layers)
+        trainer.backbone_stacks = {}
         cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # the backend's own error
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         say(f"compile_backbone: compiling the decoder layers failed ({type(error).__name__}: "

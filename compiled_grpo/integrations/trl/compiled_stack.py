@@ -1,0 +1,123 @@
+"""The decoder layers of a packed forward run as ONE compiled call (`compile_backbone="stack"`).
+
+Compiled by region, a checkpointed step calls 28 compiled layers three times each per micro-batch (forward,
+recomputation, backward), each call paying the host's cost of a compiled call (guards, AOTAutograd's wrappers,
+Inductor's launcher, checkpointing's hooks). Here the model's layer loop is one compiled function on static shapes
+(packed rows padded to a few capacities, `packing.Shapes(fixed=True)`, so a graph per capacity): each layer's call
+a `torch.compiler.nested_compile_region` (compiled once, called per layer with its own parameters), checkpointed
+inside the compiled function where the model checkpoints, so that the recomputations and backwards of every layer
+run inside one compiled backward. Measured on a CPU (`benchmarks.diagnostics.layer_calls`): a third of regional
+compile's host time per checkpointed layer call.
+
+How it runs inside transformers' own model forward, whatever its version: while a packed forward runs (`running`),
+the first layer's call runs every layer (the rest of the loop handing its hidden states through untouched), and the
+layers' own checkpointing is switched off for that forward (the compiled function checkpoints each layer with the
+same settings instead). Every layer must be called with the first one's arguments (one mask for all: models whose
+layers attend differently, e.g. sliding-window layers, are refused at `check`), and nothing may run between two
+layers; both are checked at every call. Only the layers' loop is compiled: an op after the last nested region in
+the same compiled graph gave wrong parameter gradients (torch 2.13.0, CPU), so the final norm stays outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+
+def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
+    """One layer's call with its hooks, bypassing its compiled call (which `running` points at the stack)."""
+    return layer._call_impl(hidden, **kwargs)
+
+
+NESTED = hasattr(torch.compiler, "nested_compile_region")  # torch >= 2.8
+_nested_call = torch.compiler.nested_compile_region(call_layer) if NESTED else None
+
+
+def through_layers(layers, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
+    """`hidden` through every layer, each layer's call one nested region, checkpointed with `checkpoint` (the
+    keyword arguments of `torch.utils.checkpoint.checkpoint`; None: not checkpointed); what the last layer returns."""
+    out = hidden
+    for layer in layers:
+        run = functools.partial(_nested_call, layer, kwargs=kwargs)
+        out = run(hidden) if checkpoint is None else torch.utils.checkpoint.checkpoint(run, hidden, **checkpoint)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return out
+
+
+class Stack:
+    """A model's decoder layers, run as one compiled call inside `running()`."""
+
+    RECOMPILE_LIMIT = 64  # a graph per capacity, with and without grad, per model: more than dynamo's default 8
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        self.layers = layers
+        self.compiled = torch.compile(through_layers, dynamic=False)
+        self.kwargs, self.out, self.final = None, None, None
+
+    @contextlib.contextmanager
+    def running(self):
+        """Inside the block a call of the first layer runs them all (compiled), the others hand on its output."""
+        first, checkpointing = self.layers[0], getattr(self.layers[0], "gradient_checkpointing", False)
+        in_training = first.training and torch.is_grad_enabled()
+        checkpoint = checkpoint_settings(first) if checkpointing and in_training else None
+        saved = [layer._compiled_call_impl for layer in self.layers]
+        for index, layer in enumerate(self.layers):
+            if checkpointing:
+                layer.gradient_checkpointing = False  # checkpointed inside the stack instead
+            layer._compiled_call_impl = functools.partial(self.run_all, checkpoint) if index == 0 else self.hand_on
+        try:
+            yield
+        finally:
+            for layer, impl in zip(self.layers, saved, strict=True):
+                layer._compiled_call_impl = impl
+                if checkpointing:
+                    layer.gradient_checkpointing = True
+            self.kwargs, self.out, self.final = None, None, None
+
+    def run_all(self, checkpoint, hidden, **kwargs):
+        with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
+            out = self.compiled(self.layers, hidden, kwargs, checkpoint)
+        self.kwargs, self.out = kwargs, out
+        self.final = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def hand_on(self, hidden, **kwargs):
+        """A later layer's call: the stack's output, checked to be what the loop hands on with the first layer's
+        arguments."""
+        if hidden is not self.final:
+            raise RuntimeError("compile_backbone='stack': the model changed the hidden states between two decoder "
+                               "layers; choose compile_backbone=True for this model")  # fmt: skip
+        same = kwargs.keys() == self.kwargs.keys() and all(kwargs[k] is self.kwargs[k] for k in kwargs)
+        if not same:
+            raise RuntimeError("compile_backbone='stack': the model calls its decoder layers with different arguments "
+                               "(per-layer masks?); choose compile_backbone=True for this model")  # fmt: skip
+        return self.out
+
+
+def checkpoint_settings(layer: torch.nn.Module) -> dict:
+    """The keyword arguments the layer's checkpointing passes to `torch.utils.checkpoint.checkpoint` (transformers
+    sets `_gradient_checkpointing_func` to a partial of it); non-reentrant where it says nothing."""
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    settings = dict(getattr(func, "keywords", {}) or {})
+    settings.setdefault("use_reentrant", False)
+    return settings
+
+
+def recompile_limit(limit: int) -> dict:
+    """Dynamo's recompile limit at `limit` (its name in this torch)."""
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    return {name: limit}
+
+
+def check(model) -> str | None:
+    """Why `model`'s layers cannot run as one stack (None: they can)."""
+    if _nested_call is None:
+        return f"torch {torch.__version__} has no torch.compiler.nested_compile_region (torch >= 2.8 has)"
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or [])
+    if len(kinds) > 1:
+        return f"its layers attend differently ({sorted(kinds)}), and the stack calls them all with one mask"
+    return None
