@@ -50,3 +50,84 @@ def test_checkpointed_stack_equals_trl(tmp_path, checkpointing):
         trainer.model.enable_input_require_grads()
     stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.04))
     assert all(layer.gradient_checkpointing == (checkpointing != "off") for layer in trainer.model.model.layers)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_on_the_stack_equals_trl(tmp_path, loss_type):
+    trainer = fixed_trainer(tmp_path, loss_type=loss_type, top_entropy_quantile=0.5)
+    stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0))
+
+
+@pytest.mark.parametrize("mode", ["backward", "all"])
+def test_skip_modes_on_the_stack_equal_trl(tmp_path, mode):
+    trainer = fixed_trainer(tmp_path, skip=mode, loss_type="grpo")
+    stack_matches_trl(trainer, with_logps(trainer, varied_batch(zeros=(1, 2, 4)), 0.0), metrics=mode == "backward")
+
+
+def test_shared_prompts_on_the_stack_equal_trl(tmp_path):
+    import test_shared_prompts as shared
+
+    trainer = fixed_trainer(tmp_path, loss_type="dapo")
+    stack_matches_trl(trainer, shared.with_logps(trainer, shared.grouped_batch(4), 0.0))
+    assert trainer._metrics["train"]["shared_prompts/saved_tokens"][0] > 0
+
+
+def test_fifty_steps_of_random_lengths_compile_a_stack_per_capacity(tmp_path):
+    """50 micro-batches of random prompt and completion lengths (8-84 real tokens, some groups sharing a prompt):
+    the stack's compiled function gets no more graphs than twice the capacities met (with grad, and without: the
+    packing check's forward), and later steps compile nothing new once each capacity was met."""
+    trainer = fixed_trainer(tmp_path, loss_type="dapo")
+    g = torch.Generator().manual_seed(0)
+    met, counts = set(), []
+    with stacked(trainer):
+        for step in range(50):
+            inputs = varied_batch(seed=step)
+            prompt, completion = torch.randint(1, P + 1, (6,), generator=g), torch.randint(1, C + 1, (6,), generator=g)
+            inputs["prompt_mask"] = (torch.arange(P) >= P - prompt[:, None]).long()
+            inputs["completion_mask"] = (torch.arange(C) < completion[:, None]).long()
+            if step % 2:  # rows 0-2 one prompt: a shared row
+                inputs["prompt_ids"][:3], inputs["prompt_mask"][:3] = inputs["prompt_ids"][0], inputs["prompt_mask"][0]
+            inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
+            trainer._compute_loss(trainer.model, inputs).backward()
+            counts.append(stack_graphs())
+    capacities = {packing.capacity(t, 16) for t in range(1, 97)}
+    assert counts[-1] <= 2 * len(capacities), (counts, capacities)
+    assert counts[-1] == counts[24] or counts[-1] - counts[24] <= 2, counts  # late: only a capacity first met late
+
+
+def stack_graphs() -> int:
+    """Graphs compiled from `compiled_stack.through_layers` so far in this process."""
+    code = compiled_stack.through_layers.__code__
+    return sum(1 for _ in torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def test_a_model_whose_layers_attend_differently_is_refused(tmp_path):
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    trainer.model.config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.warns(regional_compile.BackboneNotice, match="its layers attend differently.*compiled by region alone"):
+        with stacked(trainer, must_run=False) as stacks:
+            assert stacks == {}
+
+
+def test_a_loop_that_changes_the_hidden_states_between_layers_is_refused():
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    stack = compiled_stack.Stack(layers)
+    stack.compiled = compiled_stack.through_layers  # eager: the check is the host's
+    x = torch.randn(1, 4)
+    with stack.running():
+        with pytest.raises(RuntimeError, match="changed the hidden states between two decoder layers"):
+            layers[1](layers[0](x) + 1)
+    with stack.running():
+        assert torch.equal(layers[1](layers[0](x)), layers[1].forward(layers[0].forward(x)))
+
+
+def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch):  # noqa: F811
+    """`train()` (gradient checkpointing on, which TRL switches off and on around each generation) on the stack."""
+    calls, run_all = [], compiled_stack.Stack.run_all
+    monkeypatch.setattr(compiled_stack.Stack, "run_all", lambda *a, **k: calls.append(1) or run_all(*a, **k))
+    with pytest.warns(regional_compile.BackboneNotice):
+        losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack",
+                                       packed_attention="sdpa", skip_zero_advantage=False,
+                                       compile_backbone="stack")  # fmt: skip
+    assert trainer.packed_shapes.fixed and set(trainer.backbone_stacks) and packed_share(trainer) > 0.5 and calls
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
