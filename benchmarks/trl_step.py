@@ -173,6 +173,8 @@ TRAINERS = {  # name: (trainer, its options)
     ),  # fmt: skip
     # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities
     "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
+    # the default's packed forwards through the layers as one compiled call per capacity (`compiled_stack`)
+    "stack": (CompiledGRPOTrainer, {"compile_backbone": "stack"}),
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
     "padded": (CompiledGRPOTrainer, {"padding_free": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does

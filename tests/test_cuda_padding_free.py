@@ -24,6 +24,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from compiled_grpo.integrations.trl import (
     CompiledGRPOTrainer,
+    compiled_stack,
     packed_attention,
     packing,
     padding_free,
@@ -160,12 +161,13 @@ def word_tokenizer(size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-@pytest.mark.parametrize("shape, backbone", [("0.5B", "auto"), ("7B", "auto"), ("0.5B", "graphs")])
+@pytest.mark.parametrize("shape, backbone", [("0.5B", "auto"), ("7B", "auto"), ("0.5B", "graphs"), ("0.5B", "stack")])
 def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing;
     compile_backbone, padding_free and packed_attention "auto": compiled layers, packed on varlen FlashAttention),
     prompts of 4 and 60 tokens in each micro-batch (left padding that packing removes); and with
-    `compile_backbone="graphs"` (the layers replayed as CUDA graphs: Inductor skipped none)."""
+    `compile_backbone="graphs"` (the layers replayed as CUDA graphs: Inductor skipped none) and "stack" (a packed
+    forward's layers as one compiled call: it ran)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -180,10 +182,12 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
                                   completions], args=args, train_dataset=data, processing_class=word_tokenizer(
                                   QWEN_VOCAB), compile_backbone=backbone)  # fmt: skip
-    skips = counters["inductor"]["cudagraph_skips"]
+    skips, stacks = counters["inductor"]["cudagraph_skips"], compiled_stack.through_layers.__code__
     trainer.train()
     assert backbone != "graphs" or counters["inductor"]["cudagraph_skips"] == skips
-    assert trainer.packed_shapes.fixed == (backbone == "graphs")
+    stacked = trainer.backbone_stacks and torch._dynamo.eval_frame._debug_get_cache_entry_list(stacks)
+    assert backbone != "stack" or stacked
+    assert trainer.packed_shapes.fixed == (backbone in ("graphs", "stack"))
     assert trainer.model.is_gradient_checkpointing
     assert trainer.compile_backbone and regional_compile.compiled(trainer.backbone_layers)
     assert trainer.packed_attention == "varlen"

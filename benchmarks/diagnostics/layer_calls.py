@@ -16,7 +16,9 @@ Rows:
   stack-nested: the same with the layer's forward a `torch.compiler.nested_compile_region` (compiled once, called
     per layer);
   stack-nested-static: the same on static shapes (a graph per length, as packed rows padded to a few capacities
-    would meet them).
+    would meet them);
+  compiled-stack: `compile_backbone="stack"`'s own stack (`compiled_stack.Stack`: the layers' calls nested regions on
+    static shapes, checkpointed inside the compiled function where the layers checkpoint).
 
     python -m benchmarks.diagnostics.layer_calls [--rows eager,compiled,...] [--layers 28] [--repeats 30]
         [--no-checkpointing] [--out DIR] [--suffix=-run2]
@@ -30,6 +32,7 @@ also the device's busy time of one forward + backward per layer call. Writes `la
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import subprocess
@@ -42,7 +45,7 @@ import torch
 from benchmarks.timing import busy_ms, wall_median_ms
 
 ROWS = ("eager", "compiled", "compiled-lru", "compiled-no-module-guards", "graphs")
-ROWS += ("stack", "stack-nested", "stack-nested-static")
+ROWS += ("stack", "stack-nested", "stack-nested-static", "compiled-stack")
 LENGTHS = (16, 17, 18)
 
 
@@ -61,6 +64,8 @@ def prepare(row: str, blocks: torch.nn.ModuleList):
     """The layers set up as `row` says; the forward through them, `forward(blocks, h, embeddings, positions, ckpt)`."""
     from compiled_grpo.integrations.trl import regional_compile
 
+    if row == "compiled-stack":
+        return library_stack(blocks)
     if row.startswith("stack"):
         if row.startswith("stack-nested"):
             kind = type(blocks[0])
@@ -76,6 +81,22 @@ def prepare(row: str, blocks: torch.nn.ModuleList):
     if row == "compiled-lru":
         torch._C._dynamo.eval_frame._set_lru_cache(True)
     return through_layers
+
+
+def library_stack(blocks: torch.nn.ModuleList):
+    """The forward through `compiled_stack.Stack` (the layers checkpointed as transformers checkpoints them)."""
+    from compiled_grpo.integrations.trl.compiled_stack import Stack
+
+    stack = Stack(list(blocks))
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+    def forward(blocks, h, embeddings, positions, ckpt: bool):
+        for block in blocks:
+            block.gradient_checkpointing, block._gradient_checkpointing_func = ckpt, checkpoint
+        with stack.running():
+            return through_layers(blocks, h, embeddings, positions, False)
+
+    return forward
 
 
 def through_layers(blocks, h, embeddings, positions, ckpt: bool):

@@ -1,0 +1,37 @@
+"""On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as one compiled call on
+fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
+GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run; and
+`trainer.train()` runs 3 optimizer steps on it at the 0.5B shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compiled_stack import stacked
+from test_cuda_padding_free import gpu_trainer
+from test_integration_trl import loss_and_grads
+from test_padding_free import varied_batch
+from trl import GRPOTrainer
+
+from compiled_grpo.integrations.trl import packing
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, reentrant):
+    trainer = gpu_trainer(tmp_path, "varlen")
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
+    with trainer.accelerator.autocast():
+        theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
+    trainer.packed_shapes = packing.Shapes(trainer.packed_bucket, fixed=True)
+    with stacked(trainer):
+        for _ in range(3):
+            with trainer.accelerator.autocast():
+                ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+            torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=1e-3)
+            for name, g in theirs[1].items():
+                err = float((ours[1][name].float() - g.float()).norm() / g.float().norm().clamp(min=1e-12))
+                assert err <= 5e-2, f"{name}: relative error {err:.2e}"
+    assert trainer.packing_refused == "" and trainer.packed_attention == "varlen"
