@@ -1,8 +1,9 @@
 """`compile_backbone="stack"`: a packed forward's decoder layers run as one compiled call on static shapes (Inductor
 on the CPU here), float32, the packed rows on fixed capacities. The step equals TRL's on eager layers (every loss
 type, checkpointing reentrant, non-reentrant and off, skip modes, shared prompts) and `train()` equals
-GRPOTrainer's; 50 micro-batches of random lengths compile no more stacks than there are capacities (with and
-without grad); models whose layers cannot run as one stack are refused with the reason."""
+GRPOTrainer's (a LoRA adapter too); frozen embeddings train the first layer right; 50 micro-batches of random
+lengths compile no more stacks than the kinds of call they make; models whose layers cannot run as one stack
+(different masks, a layer frozen alone) are refused with the reason."""
 
 from __future__ import annotations
 
@@ -131,3 +132,49 @@ def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch)
                                        compile_backbone="stack")  # fmt: skip
     assert trainer.packed_shapes.fixed and set(trainer.backbone_stacks) and packed_share(trainer) > 0.5 and calls
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
+
+
+def test_frozen_embeddings_on_the_stack_equal_trl(tmp_path):
+    """The hidden states entering the first layer without grad (frozen embeddings, as under a LoRA adapter), every
+    layer trained: the first layer's gradients too are TRL's (a nested region's backward compiled for inputs with
+    grad, reused for one without, gives wrong gradients in torch 2.13: the stack hands the first layer an input with
+    grad)."""
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    trainer.model.get_input_embeddings().weight.requires_grad_(False)
+    stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0))
+
+
+def test_a_layer_frozen_alone_is_refused(tmp_path):
+    """Layers whose parameters require grad differently (one frozen) would share a nested region's backward that
+    fits only some of them (wrong gradients in torch 2.13): refused at the first step, compiled by region alone."""
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    trainer.model.model.layers[1].requires_grad_(False)
+    said = "layers' parameters do not all require grad alike"
+    with pytest.warns(regional_compile.BackboneNotice, match=said), stacked(trainer, must_run=False):
+        assert trainer.backbone_stacks == {}
+
+
+def test_the_first_layer_gets_an_input_with_grad_and_layers_trained_differently_are_refused():
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    stack = compiled_stack.Stack(layers)
+    stack.compiled = compiled_stack.through_layers  # eager: the checks are the host's
+    seen = []
+    layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].requires_grad))
+    with stack.running():
+        layers[2](layers[1](layers[0](torch.randn(1, 4))))
+    assert seen == [True]
+    layers[1].weight.requires_grad_(False)
+    with stack.running(), pytest.raises(RuntimeError, match="do not all require grad alike"):
+        layers[0](torch.randn(1, 4))
+    with torch.no_grad(), stack.running():  # without grad, nothing to refuse
+        layers[0](torch.randn(1, 4))
+
+
+def test_train_a_lora_adapter_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
+    """A PEFT model (LoRA on q and v inside each layer, everything else frozen alike in every layer)."""
+    pytest.importorskip("peft", reason="peft is in the test extras")
+    losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, True, padding_free="pack",
+                                   packed_attention="sdpa", skip_zero_advantage=False,
+                                   compile_backbone="stack")  # fmt: skip
+    assert set(trainer.backbone_stacks) and packed_share(trainer) > 0.5
+    assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root, True))

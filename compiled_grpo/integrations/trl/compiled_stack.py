@@ -77,6 +77,12 @@ class Stack:
             self.kwargs, self.out, self.final = None, None, None
 
     def run_all(self, checkpoint, hidden, **kwargs):
+        if torch.is_grad_enabled():  # every layer's call alike, as their shared nested region needs
+            why_not = differently_trained(self.layers)
+            if why_not:
+                raise RuntimeError(f"compile_backbone='stack': {why_not}; choose compile_backbone=True")
+            if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
+                hidden = hidden.detach().requires_grad_()
         with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
             out = self.compiled(self.layers, hidden, kwargs, checkpoint)
         self.kwargs, self.out = kwargs, out
@@ -111,8 +117,21 @@ def recompile_limit(limit: int) -> dict:
     return {name: limit}
 
 
-def check(model) -> str | None:
-    """Why `model`'s layers cannot run as one stack (None: they can)."""
+def differently_trained(layers: list[torch.nn.Module]) -> str | None:
+    """Why the layers' calls would not be alike under grad (None: they are): their parameters must require grad in
+    one pattern, layer for layer."""
+    patterns = {tuple(p.requires_grad for p in layer.parameters()) for layer in layers}
+    if len(patterns) > 1:
+        return "the layers' parameters do not all require grad alike (a layer frozen alone?)"
+    return None
+
+
+def check(model, layers: list[torch.nn.Module]) -> str | None:
+    """Why `model`'s `layers` cannot run as one stack (None: they can). Its calls of one nested region must be alike:
+    one mask for every layer, and inputs and parameters that require grad alike (in torch 2.13.0, a nested region's
+    compiled backward made for calls whose inputs require grad served a call whose input did not, and a frozen
+    layer among trained ones, both giving wrong gradients on the CPU: the stack hands the first layer an input that
+    requires grad, and refuses layers trained differently)."""
     if _nested_call is None:
         return f"torch {torch.__version__} has no torch.compiler.nested_compile_region (torch >= 2.8 has)"
     config = getattr(model, "config", None)
@@ -120,4 +139,4 @@ def check(model) -> str | None:
     kinds = set(getattr(text, "layer_types", None) or [])
     if len(kinds) > 1:
         return f"its layers attend differently ({sorted(kinds)}), and the stack calls them all with one mask"
-    return None
+    return differently_trained(layers)

@@ -78,12 +78,13 @@ def stack_layers(trainer, models: list) -> None:
     can (said where not); `trainer.backbone_stacks`, by the model's id."""
     why_not = "an engine shards the parameters" if trainer.shards_parameters else None
     for model in models:
-        why_not = why_not or compiled_stack.check(model)
+        layers = repeated_layers(model)
+        why_not = why_not or compiled_stack.check(model, layers)
         if why_not:
             say(f"compile_backbone='stack': {why_not}; the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
-        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(repeated_layers(model))
+        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers)
 
 
 def stack_of(trainer, model):
