@@ -434,3 +434,18 @@ def test_layer_call_costs_run_each_row_in_its_own_process(tmp_path):
     assert row["row"] == "eager" and 0 < row["forward_us"] < row["step_us"], row
     with pytest.raises(SystemExit):
         layer_calls.main(["--rows", "eager,fast", "--out", str(tmp_path)])
+
+
+def test_nested_region_cases_run_each_in_its_own_process(capsys):
+    """`benchmarks.diagnostics.nested_regions` under AOTAutograd's eager backend (no Inductor: exact): each case's
+    errors come back from its child, zero, no block off; an unknown case is refused."""
+    import json
+
+    from benchmarks.diagnostics import nested_regions
+
+    nested_regions.main(["--cases", "baseline,frozen-block", "--blocks", "3", "--backend", "aot_eager"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row["case"] for row in rows] == ["baseline", "frozen-block"], rows
+    assert all(row["worst_gradient_error"] == 0.0 and row["blocks_off"] == [] for row in rows), rows
+    with pytest.raises(SystemExit):
+        nested_regions.main(["--cases", "baseline,fast"])
