@@ -111,6 +111,14 @@ def test_a_model_whose_layers_attend_differently_is_refused(tmp_path):
         assert trainer.backbone_stacks == {}
 
 
+def test_trimmed_micro_batches_are_refused(tmp_path):
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    trainer.padding_free_mode = "trim"
+    said = "not packed here \\(they run 'trim'\\); the layers are compiled by region alone"
+    with pytest.warns(regional_compile.BackboneNotice, match=said), stacked(trainer, must_run=False):
+        assert trainer.backbone_stacks == {}
+
+
 def test_a_loop_that_changes_the_hidden_states_between_layers_is_refused():
     layers = [torch.nn.Linear(4, 4) for _ in range(2)]
     stack = compiled_stack.Stack(layers)

@@ -7,9 +7,9 @@ same loop run eagerly, per case:
   frozen-block: one block in the middle frozen, the others trained;
   op-after: an op (LayerNorm) after the last region, inside the compiled function.
 
-Each case runs in its own process (dynamo's caches are per process). Per case: the largest error of the output and
-of any parameter's gradient relative to that gradient's largest entry, and the blocks whose gradients are off
-(error above 1e-3 of it).
+Each case runs in its own process (dynamo's caches are per process), on the GPU where there is one. Per case: the
+largest error of the output and of any parameter's gradient relative to that gradient's largest entry, and the
+blocks whose gradients are off (error above 1e-3 of it).
 
     python -m benchmarks.diagnostics.nested_regions [--cases baseline,...] [--blocks 4] [--backend inductor]
 """
@@ -49,12 +49,13 @@ def loop(blocks, final, h, region):
 def run_case(case: str, blocks_count: int, backend: str) -> dict:
     """{case, output_error, worst_gradient_error, blocks_off}."""
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(Block(16) for _ in range(blocks_count))
-    final = torch.nn.LayerNorm(16) if case == "op-after" else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    blocks = torch.nn.ModuleList(Block(16) for _ in range(blocks_count)).to(device)
+    final = torch.nn.LayerNorm(16, device=device) if case == "op-after" else None
     if case == "frozen-block":
         blocks[blocks_count // 2].requires_grad_(False)
     eager_blocks, eager_final = copy.deepcopy(blocks), copy.deepcopy(final)
-    x = torch.randn(2, 8, 16, requires_grad=case != "input-without-grad")
+    x = torch.randn(2, 8, 16, device=device, requires_grad=case != "input-without-grad")
     region = torch.compiler.nested_compile_region(call)
     compiled = torch.compile(loop, dynamic=False, backend=backend)
     out = compiled(blocks, final, x, region)
@@ -87,7 +88,8 @@ def main(argv=None) -> None:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
-    print(f"torch {torch.__version__}, backend {args.backend}, {args.blocks} blocks", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"torch {torch.__version__}, {device}, backend {args.backend}, {args.blocks} blocks", flush=True)
     for case in cases:
         command = [sys.executable, "-m", "benchmarks.diagnostics.nested_regions", "--child", case, "--blocks",
                    str(args.blocks), "--backend", args.backend]  # fmt: skip

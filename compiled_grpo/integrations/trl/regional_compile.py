@@ -77,6 +77,9 @@ def stack_layers(trainer, models: list) -> None:
     """Each model's layers set up to run a packed forward as one compiled call (`compiled_stack.Stack`), where they
     can (said where not); `trainer.backbone_stacks`, by the model's id."""
     why_not = "an engine shards the parameters" if trainer.shards_parameters else None
+    if getattr(trainer, "padding_free_mode", None) != "pack":
+        mode = getattr(trainer, "padding_free_mode", None)
+        why_not = f"it runs packed forwards as one call, and micro-batches are not packed here (they run {mode!r})"
     for model in models:
         layers = repeated_layers(model)
         why_not = why_not or compiled_stack.check(model, layers)
