@@ -227,6 +227,7 @@ LABELS = {
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
     "noshare": "CompiledGRPOTrainer, share_prompts=False",
     "graphs": "CompiledGRPOTrainer, compile_backbone='graphs'",
+    "stack": "CompiledGRPOTrainer, compile_backbone='stack'",
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
     "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",

@@ -166,7 +166,7 @@ def test_train_a_lora_adapter_packed_equals_grpo_trainer(tmp_path, tmp_root, ree
     assert packed_share(trainer) > 0.5 and any("lora_" in name for name in grads[0]) and saved_tokens(trainer) > 0
 
 
-def switched_forward(model, lm_head, attention):
+def switched_forward(model, lm_head, attention, stack=None):
     """The sabotage: the packed forward under a model-wide switch of the attention, undone when the forward
     returns (before the backward recomputes the checkpointed layers)."""
     plain = ORIGINAL_PACKED_IDS_FORWARD(model, lm_head, None)
