@@ -152,6 +152,13 @@ def test_frozen_embeddings_on_the_stack_equal_trl(tmp_path):
     stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0))
 
 
+def test_a_model_that_runs_fewer_layers_than_it_holds_is_refused(tmp_path):
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    trainer.model.config.num_hidden_layers = 1
+    with pytest.warns(regional_compile.BackboneNotice, match="runs 1 of its 2 layers"), stacked(trainer, False):
+        assert trainer.backbone_stacks == {}
+
+
 def test_a_layer_frozen_alone_is_refused(tmp_path):
     """Layers whose parameters require grad differently (one frozen) would share a nested region's backward that
     fits only some of them (wrong gradients in torch 2.13): refused at the first step, compiled by region alone."""

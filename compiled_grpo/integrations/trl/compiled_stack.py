@@ -139,4 +139,6 @@ def check(model, layers: list[torch.nn.Module]) -> str | None:
     kinds = set(getattr(text, "layer_types", None) or [])
     if len(kinds) > 1:
         return f"its layers attend differently ({sorted(kinds)}), and the stack calls them all with one mask"
+    if getattr(text, "num_hidden_layers", len(layers)) != len(layers):
+        return f"its forward runs {text.num_hidden_layers} of its {len(layers)} layers, and the stack runs them all"
     return differently_trained(layers)
