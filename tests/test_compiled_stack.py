@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 import torch._dynamo.utils
-from test_fixed_shapes import fixed_trainer, matches_trl
-from test_padding_free import LOSS_TYPES, C, P, varied_batch, with_logps
+from test_fixed_shapes import fixed_trainer, matches_trl, random_lengths_batch
+from test_padding_free import LOSS_TYPES, varied_batch, with_logps
 from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, tmp_root, train  # noqa: F401
 
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, packing, regional_compile
@@ -36,6 +36,20 @@ def stacked(trainer, must_run=True):
     finally:
         regional_compile.uncompile(trainer.backbone_layers)
     assert calls or not must_run, "the stack never ran"
+
+
+def assert_refused(trainer, said: str) -> None:
+    """Setting the trainer's layers up as a stack says `said` (a regex) and builds none."""
+    with pytest.warns(regional_compile.BackboneNotice, match=said), stacked(trainer, must_run=False):
+        assert trainer.backbone_stacks == {}
+
+
+def eager_linear_stack(count: int):
+    """(layers, their stack) of `count` Linear(4, 4) layers, the stack's function run eagerly (checks of the host)."""
+    layers = [torch.nn.Linear(4, 4) for _ in range(count)]
+    stack = compiled_stack.Stack(layers)
+    stack.compiled = compiled_stack.through_layers
+    return layers, stack
 
 
 def stack_matches_trl(trainer, inputs, metrics=True):
@@ -83,14 +97,7 @@ def test_fifty_steps_of_random_lengths_compile_a_stack_per_capacity(tmp_path):
     before = stack_graphs()
     with stacked(trainer) as calls:
         for step in range(50):
-            inputs = varied_batch(seed=step)
-            prompt, completion = torch.randint(1, P + 1, (6,), generator=g), torch.randint(1, C + 1, (6,), generator=g)
-            inputs["prompt_mask"] = (torch.arange(P) >= P - prompt[:, None]).long()
-            inputs["completion_mask"] = (torch.arange(C) < completion[:, None]).long()
-            if step % 2:  # rows 0-2 one prompt: a shared row
-                inputs["prompt_ids"][:3], inputs["prompt_mask"][:3] = inputs["prompt_ids"][0], inputs["prompt_mask"][0]
-            inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
-            trainer._compute_loss(trainer.model, inputs).backward()
+            trainer._compute_loss(trainer.model, random_lengths_batch(step, g)).backward()
     capacities = {packing.capacity(t, 16) for t in range(1, 97)}
     kinds = set(calls)
     assert len(calls) >= 50 and {tokens for tokens, _ in kinds} <= capacities, kinds
@@ -106,23 +113,17 @@ def stack_graphs() -> int:
 def test_a_model_whose_layers_attend_differently_is_refused(tmp_path):
     trainer = fixed_trainer(tmp_path, loss_type="grpo")
     trainer.model.config.layer_types = ["full_attention", "sliding_attention"]
-    said = "its layers attend differently.*compiled by region alone"
-    with pytest.warns(regional_compile.BackboneNotice, match=said), stacked(trainer, must_run=False):
-        assert trainer.backbone_stacks == {}
+    assert_refused(trainer, "its layers attend differently.*compiled by region alone")
 
 
 def test_trimmed_micro_batches_are_refused(tmp_path):
     trainer = fixed_trainer(tmp_path, loss_type="grpo")
     trainer.padding_free_mode = "trim"
-    said = "not packed here \\(they run 'trim'\\); the layers are compiled by region alone"
-    with pytest.warns(regional_compile.BackboneNotice, match=said), stacked(trainer, must_run=False):
-        assert trainer.backbone_stacks == {}
+    assert_refused(trainer, "not packed here \\(they run 'trim'\\); the layers are compiled by region alone")
 
 
 def test_a_loop_that_changes_the_hidden_states_between_layers_is_refused():
-    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
-    stack = compiled_stack.Stack(layers)
-    stack.compiled = compiled_stack.through_layers  # eager: the check is the host's
+    layers, stack = eager_linear_stack(2)
     x = torch.randn(1, 4)
     with stack.running(), pytest.raises(RuntimeError, match="changed the hidden states between two decoder layers"):
         layers[1](layers[0](x) + 1)
@@ -155,8 +156,7 @@ def test_frozen_embeddings_on_the_stack_equal_trl(tmp_path):
 def test_a_model_that_runs_fewer_layers_than_it_holds_is_refused(tmp_path):
     trainer = fixed_trainer(tmp_path, loss_type="grpo")
     trainer.model.config.num_hidden_layers = 1
-    with pytest.warns(regional_compile.BackboneNotice, match="runs 1 of its 2 layers"), stacked(trainer, False):
-        assert trainer.backbone_stacks == {}
+    assert_refused(trainer, "runs 1 of its 2 layers")
 
 
 def test_a_layer_frozen_alone_is_refused(tmp_path):
@@ -164,15 +164,11 @@ def test_a_layer_frozen_alone_is_refused(tmp_path):
     fits only some of them (wrong gradients in torch 2.13): refused at the first step, compiled by region alone."""
     trainer = fixed_trainer(tmp_path, loss_type="grpo")
     trainer.model.model.layers[1].requires_grad_(False)
-    said = "layers' parameters do not all require grad alike"
-    with pytest.warns(regional_compile.BackboneNotice, match=said), stacked(trainer, must_run=False):
-        assert trainer.backbone_stacks == {}
+    assert_refused(trainer, "layers' parameters do not all require grad alike")
 
 
 def test_the_first_layer_gets_an_input_with_grad_and_layers_trained_differently_are_refused():
-    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
-    stack = compiled_stack.Stack(layers)
-    stack.compiled = compiled_stack.through_layers  # eager: the checks are the host's
+    layers, stack = eager_linear_stack(3)
     seen = []
     layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].requires_grad))
     with stack.running():

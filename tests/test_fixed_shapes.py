@@ -76,6 +76,18 @@ def test_shared_prompts_on_fixed_shapes_equal_trl(tmp_path, varlen_stand_in):  #
     assert trainer._metrics["train"]["shared_prompts/saved_tokens"][0] > 0
 
 
+def random_lengths_batch(step: int, g: torch.Generator) -> dict:
+    """`varied_batch` with random prompt (1-P) and completion (1-C) lengths; on odd steps rows 0-2 share a prompt."""
+    inputs = varied_batch(seed=step)
+    prompt, completion = torch.randint(1, P + 1, (6,), generator=g), torch.randint(1, C + 1, (6,), generator=g)
+    inputs["prompt_mask"] = (torch.arange(P) >= P - prompt[:, None]).long()
+    inputs["completion_mask"] = (torch.arange(C) < completion[:, None]).long()
+    if step % 2:  # rows 0-2 one prompt: a shared row
+        inputs["prompt_ids"][:3], inputs["prompt_mask"][:3] = inputs["prompt_ids"][0], inputs["prompt_mask"][0]
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
+    return inputs
+
+
 @pytest.mark.parametrize("fixed", [True, False])
 def test_fifty_steps_of_random_lengths_meet_few_shapes(tmp_path, monkeypatch, varlen_stand_in, fixed):  # noqa: F811
     """What the attention is called with (query tokens, boundaries' entries, longest query, key tokens, longest key)
@@ -93,14 +105,7 @@ def test_fifty_steps_of_random_lengths_meet_few_shapes(tmp_path, monkeypatch, va
     trainer = fixed_trainer(tmp_path, "varlen", fixed=fixed, loss_type="dapo")
     g = torch.Generator().manual_seed(0)
     for step in range(50):
-        inputs = varied_batch(seed=step)
-        prompt, completion = torch.randint(1, P + 1, (6,), generator=g), torch.randint(1, C + 1, (6,), generator=g)
-        inputs["prompt_mask"] = (torch.arange(P) >= P - prompt[:, None]).long()
-        inputs["completion_mask"] = (torch.arange(C) < completion[:, None]).long()
-        if step % 2:  # rows 0-2 one prompt: a shared row
-            inputs["prompt_ids"][:3], inputs["prompt_mask"][:3] = inputs["prompt_ids"][0], inputs["prompt_mask"][0]
-        inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
-        trainer._compute_loss(trainer.model, inputs).backward()
+        trainer._compute_loss(trainer.model, random_lengths_batch(step, g)).backward()
     capacities = {packing.capacity(t, 16) for t in range(16, 97)}
     if fixed:
         assert all(n in capacities and n == max_q and k in capacities and k == max_k for n, _, max_q, k, max_k in seen)
