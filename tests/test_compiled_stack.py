@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch._dynamo.utils
 from test_fixed_shapes import fixed_trainer, matches_trl, random_lengths_batch
+from test_integration_trl import loss_and_grads
 from test_padding_free import LOSS_TYPES, varied_batch, with_logps
+from test_skip_zero_advantage import assert_same, trl_loss
 from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, tmp_root, train  # noqa: F401
 
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, packing, regional_compile
@@ -120,6 +122,25 @@ def test_trimmed_micro_batches_are_refused(tmp_path):
     trainer = fixed_trainer(tmp_path, loss_type="grpo")
     trainer.padding_free_mode = "trim"
     assert_refused(trainer, "not packed here \\(they run 'trim'\\); the layers are compiled by region alone")
+
+
+def test_a_stack_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
+    """The stack's compiled function failing at its first call (a backend that raises): said once with the reason,
+    the layers eager again, and the step TRL's."""
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("this backend cannot compile the stack")
+
+    trainer = fixed_trainer(tmp_path, loss_type="dapo")
+    inputs = with_logps(trainer, varied_batch(), 0.0)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
+    with stacked(trainer, must_run=False) as calls:
+        for stack in trainer.backbone_stacks.values():
+            stack.compiled = torch.compile(compiled_stack.through_layers, backend=failing_backend, dynamic=False)
+        with pytest.warns(regional_compile.BackboneNotice, match="cannot compile the stack.*run eagerly from here"):
+            ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+    assert calls and trainer.backbone_stacks == {} and not regional_compile.compiled(trainer.backbone_layers)
+    assert_same((*ours[:2], {k: v for k, v in ours[2].items() if not k.startswith("shared_prompts/")}), theirs)
 
 
 def test_a_loop_that_changes_the_hidden_states_between_layers_is_refused():

@@ -76,9 +76,9 @@ def pick_graphs_in_compile_order() -> None:
 def stack_layers(trainer, models: list) -> None:
     """Each model's layers set up to run a packed forward as one compiled call (`compiled_stack.Stack`), where they
     can (said where not); `trainer.backbone_stacks`, by the model's id."""
+    mode = getattr(trainer, "padding_free_mode", None)
     why_not = "an engine shards the parameters" if trainer.shards_parameters else None
-    if getattr(trainer, "padding_free_mode", None) != "pack":
-        mode = getattr(trainer, "padding_free_mode", None)
+    if mode != "pack":
         why_not = f"it runs packed forwards as one call, and micro-batches are not packed here (they run {mode!r})"
     for model in models:
         layers = repeated_layers(model)
@@ -177,7 +177,7 @@ def forward_or_fall_back(trainer, forward):
         with backward_compiled_with_forward():
             result = forward()
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
-            torch._dynamo.exc.TorchRuntimeError) as error:  # fmt: skip
+            torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.InternalTorchDynamoError) as error:  # fmt: skip
         uncompile(layers)
         trainer.backbone_stacks = {}
         cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # the backend's own error
