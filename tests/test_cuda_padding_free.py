@@ -109,17 +109,24 @@ def assert_loss_and_gradients_close(ours, theirs) -> None:
     assert_each_gradient_close(ours, theirs)
 
 
+def fixed_shapes_against_trl(tmp_path, reentrant: bool):
+    """(a varlen trainer checkpointed as `reentrant` says, its packed rows on fixed shapes; a micro-batch on the GPU;
+    GRPOTrainer's padded step on it on eager layers: loss, gradients, metrics)."""
+    trainer = gpu_trainer(tmp_path, "varlen")
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
+    with trainer.accelerator.autocast():
+        theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
+    trainer.packed_shapes = packing.Shapes(trainer.packed_bucket, fixed=True)
+    return trainer, inputs, theirs
+
+
 def test_packed_step_on_graphed_layers_equals_trl_on_the_gpu(tmp_path):
     """Layers replayed as CUDA graphs (`compile_backbone="graphs"`) on fixed shapes, checkpointed, varlen: three
     steps (record, replay, replay) each equal GRPOTrainer's padded step on eager layers to bf16 rounding."""
     from torch._dynamo.utils import counters
 
-    trainer = gpu_trainer(tmp_path, "varlen")
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
-    with trainer.accelerator.autocast():
-        theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
-    trainer.packed_shapes = packing.Shapes(trainer.packed_bucket, fixed=True)
+    trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant=False)
     regional_compile.compile_layers(trainer.model, graphs=True)
     skips = counters["inductor"]["cudagraph_skips"]
     for _ in range(3):

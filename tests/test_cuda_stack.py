@@ -8,24 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from test_compiled_stack import stacked
-from test_cuda_padding_free import assert_loss_and_gradients_close, gpu_trainer
+from test_cuda_padding_free import assert_loss_and_gradients_close, fixed_shapes_against_trl
 from test_integration_trl import loss_and_grads
-from test_padding_free import varied_batch
-from trl import GRPOTrainer
-
-from compiled_grpo.integrations.trl import packing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, reentrant):
-    trainer = gpu_trainer(tmp_path, "varlen")
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
-    with trainer.accelerator.autocast():
-        theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
-    trainer.packed_shapes = packing.Shapes(trainer.packed_bucket, fixed=True)
+    trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant)
     with stacked(trainer):
         for _ in range(3):
             with trainer.accelerator.autocast():
