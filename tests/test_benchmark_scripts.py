@@ -424,14 +424,15 @@ def test_the_liger_row_patches_liger_in_for_its_own_steps_only():
 
 def test_layer_call_costs_run_each_row_in_its_own_process(tmp_path):
     """`benchmarks.diagnostics.layer_calls` on the CPU, the eager row (nothing to compile): a child's per-call times
-    come back and are written; an unknown row is refused."""
+    come back and are written; an unknown row is refused. Their order is not asserted: on a loaded two-core host a
+    forward can take longer than a step measured a moment later."""
     import json
 
     from benchmarks.diagnostics import layer_calls
 
     layer_calls.main(["--rows", "eager", "--layers", "2", "--repeats", "3", "--out", str(tmp_path)])
     (row,) = json.loads((tmp_path / "layer-calls-cpu.json").read_text())["rows"]
-    assert row["row"] == "eager" and 0 < row["forward_us"] < row["step_us"], row
+    assert row["row"] == "eager" and row["forward_us"] > 0 and row["step_us"] > 0, row
     with pytest.raises(SystemExit):
         layer_calls.main(["--rows", "eager,fast", "--out", str(tmp_path)])
 
