@@ -16,14 +16,24 @@ same settings instead). Every layer must be called with the first one's argument
 layers attend differently, e.g. sliding-window layers, are refused at `check`), and nothing may run between two
 layers; both are checked at every call. Only the layers' loop is compiled: an op after the last nested region in
 the same compiled graph gave wrong parameter gradients (torch 2.13.0, CPU), so the final norm stays outside.
+
+A nested region must be captured whole: where dynamo cannot (a graph break inside a layer's call, e.g. in an
+attention function that this torch cannot trace), that kind of call (with or without grad, checkpointed or not, its
+keyword arguments' names: a forward sharing prompts passes more) runs its layers one by one on their compiled calls
+from then on, said once with dynamo's reason, and the other kinds stay on the stack.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
+
+# What dynamo raises where it cannot capture a call as one graph: a graph break inside a nested region, or one
+# that dynamo does not support.
+CAPTURE_FAILURES = (torch._dynamo.exc.UncapturedHigherOrderOpError, torch._dynamo.exc.Unsupported)
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
@@ -46,15 +56,32 @@ def through_layers(layers, hidden: torch.Tensor, kwargs: dict, checkpoint: dict 
     return out
 
 
+def layer_by_layer(calls: list, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
+    """`through_layers` on each layer's own (compiled) call in `calls`, one call at a time: where a kind of call
+    cannot run as one stack."""
+    out = hidden
+    for call in calls:
+        run = functools.partial(call, **kwargs)
+        out = run(hidden) if checkpoint is None else torch.utils.checkpoint.checkpoint(run, hidden, **checkpoint)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return out
+
+
+def capture_failure(error: Exception) -> str:
+    """Dynamo's reason, on one line (its message spans several, the first naming only the kind of failure)."""
+    return " ".join(str(error).split())[:400] or type(error).__name__
+
+
 class Stack:
     """A model's decoder layers, run as one compiled call inside `running()`."""
 
     RECOMPILE_LIMIT = 64  # a graph per capacity, with and without grad, per model: more than dynamo's default 8
 
-    def __init__(self, layers: list[torch.nn.Module]):
-        self.layers = layers
+    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn):
+        self.layers, self.say = layers, say
         self.compiled = torch.compile(through_layers, dynamic=False)
-        self.kwargs, self.out, self.final = None, None, None
+        self.kwargs, self.out, self.final, self.calls = None, None, None, None
+        self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
     @contextlib.contextmanager
     def running(self):
@@ -63,6 +90,7 @@ class Stack:
         in_training = first.training and torch.is_grad_enabled()
         checkpoint = checkpoint_settings(first) if checkpointing and in_training else None
         saved = [layer._compiled_call_impl for layer in self.layers]
+        self.calls = [impl or layer._call_impl for layer, impl in zip(self.layers, saved, strict=True)]
         for index, layer in enumerate(self.layers):
             if checkpointing:
                 layer.gradient_checkpointing = False  # checkpointed inside the stack instead
@@ -74,7 +102,7 @@ class Stack:
                 layer._compiled_call_impl = impl
                 if checkpointing:
                     layer.gradient_checkpointing = True
-            self.kwargs, self.out, self.final = None, None, None
+            self.kwargs, self.out, self.final, self.calls = None, None, None, None
 
     def run_all(self, checkpoint, hidden, **kwargs):
         if torch.is_grad_enabled():  # every layer's call alike, as their shared nested region needs
@@ -83,11 +111,26 @@ class Stack:
                 raise RuntimeError(f"compile_backbone='stack': {why_not}; choose compile_backbone=True")
             if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
                 hidden = hidden.detach().requires_grad_()
-        with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
-            out = self.compiled(self.layers, hidden, kwargs, checkpoint)
+        kind = (torch.is_grad_enabled(), checkpoint is not None, tuple(sorted(kwargs)))
+        out = None if kind in self.one_by_one else self.captured(kind, hidden, kwargs, checkpoint)
+        if kind in self.one_by_one:
+            out = layer_by_layer(self.calls, hidden, kwargs, checkpoint)
         self.kwargs, self.out = kwargs, out
         self.final = out[0] if isinstance(out, tuple) else out
         return out
+
+    def captured(self, kind: tuple, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
+        """The layers as one compiled call; None where dynamo cannot capture this kind of call (said once)."""
+        try:
+            with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
+                return self.compiled(self.layers, hidden, kwargs, checkpoint)
+        except CAPTURE_FAILURES as error:
+            self.one_by_one[kind] = f"{type(error).__name__}: {capture_failure(error)}"
+        grad = "with grad" if kind[0] else "without grad"
+        self.say(f"compile_backbone='stack': dynamo cannot run these forwards ({grad}, taking "
+                 f"{', '.join(kind[2]) or 'no keywords'}) as one compiled call, so their layers run one by one on "
+                 f"their compiled calls ({self.one_by_one[kind]})")  # fmt: skip
+        return None
 
     def hand_on(self, hidden, **kwargs):
         """A later layer's call: the stack's output, checked to be what the loop hands on with the first layer's

@@ -87,7 +87,7 @@ def stack_layers(trainer, models: list) -> None:
             say(f"compile_backbone='stack': {why_not}; the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
-        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers)
+        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say)
 
 
 def stack_of(trainer, model):

@@ -107,8 +107,8 @@ def check(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> str:
         try:
             trainer.sharing_refused = sharing_fails(forward, ids, trainer.packed_shapes) or ""
         except Exception as error:  # noqa: BLE001 - a probe: a model that cannot take the masks fails here, said
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            trainer.sharing_refused = f"a forward sharing a prompt failed ({type(error).__name__}: {first})"
+            said = " ".join(str(error).split())[:400]  # on one line: dynamo's first names only the kind of failure
+            trainer.sharing_refused = f"a forward sharing a prompt failed ({type(error).__name__}: {said})"
     return trainer.sharing_refused
 
 
