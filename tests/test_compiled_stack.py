@@ -18,7 +18,12 @@ from test_padding_free import LOSS_TYPES, varied_batch, with_logps
 from test_skip_zero_advantage import assert_same, trl_loss
 from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, tmp_root, train  # noqa: F401
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, packing, regional_compile
+from compiled_grpo.integrations.trl import (
+    CompiledGRPOTrainer,
+    compiled_stack,
+    packing,
+    regional_compile,
+)
 
 pytestmark = pytest.mark.compiled
 
@@ -88,27 +93,6 @@ def test_shared_prompts_on_the_stack_equal_trl(tmp_path):
     trainer = fixed_trainer(tmp_path, loss_type="dapo")
     stack_matches_trl(trainer, shared.with_logps(trainer, shared.grouped_batch(4), 0.0))
     assert trainer._metrics["train"]["shared_prompts/saved_tokens"][0] > 0
-
-
-def test_calls_dynamo_cannot_capture_run_layer_by_layer_and_the_rest_stay_stacked(tmp_path, monkeypatch):
-    """A layer's call that breaks dynamo's graph without grad (the sharing check's forwards): that kind of call runs
-    its layers one by one, said once with dynamo's reason; sharing still passes its check, the step with grad runs
-    on the stack, and the step equals TRL's."""
-    import test_shared_prompts as shared
-
-    def breaks_without_grad(layer, hidden, kwargs):
-        if not torch.is_grad_enabled():
-            torch._dynamo.graph_break()
-        return compiled_stack.call_layer(layer, hidden, kwargs)
-
-    monkeypatch.setattr(compiled_stack, "_nested_call", torch.compiler.nested_compile_region(breaks_without_grad))
-    trainer = fixed_trainer(tmp_path, loss_type="dapo")
-    inputs = shared.with_logps(trainer, shared.grouped_batch(4), 0.0)
-    with pytest.warns(regional_compile.BackboneNotice, match="without grad.*run one by one.*graph_break"):
-        stack_matches_trl(trainer, inputs)
-    (stack,) = trainer.backbone_stacks.values()
-    assert stack.one_by_one and all(not with_grad for with_grad, _, _ in stack.one_by_one)
-    assert trainer.sharing_refused == "" and trainer._metrics["train"]["shared_prompts/saved_tokens"][0] > 0
 
 
 def test_fifty_steps_of_random_lengths_compile_a_stack_per_capacity(tmp_path):

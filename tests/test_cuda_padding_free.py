@@ -201,6 +201,9 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     assert backbone != "graphs" or counters["inductor"]["cudagraph_skips"] == skips
     stacked = trainer.backbone_stacks and torch._dynamo.eval_frame._debug_get_cache_entry_list(stacks)
     assert backbone != "stack" or stacked
+    # every kind of call (with grad, without, sharing prompts or not) captured whole: none ran layer by layer
+    layer_by_layer = [stack.one_by_one for stack in trainer.backbone_stacks.values() if stack.one_by_one]
+    assert not layer_by_layer, layer_by_layer
     assert trainer.packed_shapes.fixed == (backbone in ("graphs", "stack"))
     assert trainer.model.is_gradient_checkpointing
     assert trainer.compile_backbone and regional_compile.compiled(trainer.backbone_layers)

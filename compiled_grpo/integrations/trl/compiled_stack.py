@@ -56,17 +56,6 @@ def through_layers(layers, hidden: torch.Tensor, kwargs: dict, checkpoint: dict 
     return out
 
 
-def layer_by_layer(calls: list, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
-    """`through_layers` on each layer's own (compiled) call in `calls`, one call at a time: where a kind of call
-    cannot run as one stack."""
-    out = hidden
-    for call in calls:
-        run = functools.partial(call, **kwargs)
-        out = run(hidden) if checkpoint is None else torch.utils.checkpoint.checkpoint(run, hidden, **checkpoint)
-        hidden = out[0] if isinstance(out, tuple) else out
-    return out
-
-
 def capture_failure(error: Exception) -> str:
     """Dynamo's reason, on one line (its message spans several, the first naming only the kind of failure)."""
     return " ".join(str(error).split())[:400] or type(error).__name__
@@ -80,7 +69,7 @@ class Stack:
     def __init__(self, layers: list[torch.nn.Module], say=warnings.warn):
         self.layers, self.say = layers, say
         self.compiled = torch.compile(through_layers, dynamic=False)
-        self.kwargs, self.out, self.final, self.calls = None, None, None, None
+        self.kwargs, self.out, self.final, self.own = None, None, None, None
         self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
     @contextlib.contextmanager
@@ -89,38 +78,39 @@ class Stack:
         first, checkpointing = self.layers[0], getattr(self.layers[0], "gradient_checkpointing", False)
         in_training = first.training and torch.is_grad_enabled()
         checkpoint = checkpoint_settings(first) if checkpointing and in_training else None
-        saved = [layer._compiled_call_impl for layer in self.layers]
-        self.calls = [impl or layer._call_impl for layer, impl in zip(self.layers, saved, strict=True)]
-        for index, layer in enumerate(self.layers):
-            if checkpointing:
-                layer.gradient_checkpointing = False  # checkpointed inside the stack instead
-            layer._compiled_call_impl = functools.partial(self.run_all, checkpoint) if index == 0 else self.hand_on
+        self.own = [layer._compiled_call_impl for layer in self.layers], checkpointing
+        stacked = [functools.partial(self.run_all, checkpoint)] + [self.hand_on] * (len(self.layers) - 1)
+        self.put(stacked, False if checkpointing else None)  # checkpointed inside the stack instead
         try:
             yield
         finally:
-            for layer, impl in zip(self.layers, saved, strict=True):
-                layer._compiled_call_impl = impl
-                if checkpointing:
-                    layer.gradient_checkpointing = True
-            self.kwargs, self.out, self.final, self.calls = None, None, None, None
+            self.put(self.own[0], True if checkpointing else None)
+            self.kwargs, self.out, self.final, self.own = None, None, None, None
+
+    def put(self, calls: list, checkpointing: bool | None) -> None:
+        """The layers' compiled calls set to `calls`, their checkpointing to `checkpointing` (None: as it is)."""
+        for layer, call in zip(self.layers, calls, strict=True):
+            layer._compiled_call_impl = call
+            if checkpointing is not None:
+                layer.gradient_checkpointing = checkpointing
 
     def run_all(self, checkpoint, hidden, **kwargs):
-        if torch.is_grad_enabled():  # every layer's call alike, as their shared nested region needs
-            why_not = differently_trained(self.layers)
-            if why_not:
-                raise RuntimeError(f"compile_backbone='stack': {why_not}; choose compile_backbone=True")
-            if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
-                hidden = hidden.detach().requires_grad_()
         kind = (torch.is_grad_enabled(), checkpoint is not None, tuple(sorted(kwargs)))
         out = None if kind in self.one_by_one else self.captured(kind, hidden, kwargs, checkpoint)
         if kind in self.one_by_one:
-            out = layer_by_layer(self.calls, hidden, kwargs, checkpoint)
+            out = self.layer_by_layer(hidden, kwargs)
         self.kwargs, self.out = kwargs, out
         self.final = out[0] if isinstance(out, tuple) else out
         return out
 
     def captured(self, kind: tuple, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
         """The layers as one compiled call; None where dynamo cannot capture this kind of call (said once)."""
+        if torch.is_grad_enabled():  # every layer's call alike, as their shared nested region needs
+            why_not = differently_trained(self.layers)
+            if why_not:
+                raise RuntimeError(f"compile_backbone='stack': {why_not}; choose compile_backbone=True")
+            if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
+                hidden = hidden.detach().requires_grad_()
         try:
             with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
                 return self.compiled(self.layers, hidden, kwargs, checkpoint)
@@ -131,6 +121,21 @@ class Stack:
                  f"{', '.join(kind[2]) or 'no keywords'}) as one compiled call, so their layers run one by one on "
                  f"their compiled calls ({self.one_by_one[kind]})")  # fmt: skip
         return None
+
+    def layer_by_layer(self, hidden: torch.Tensor, kwargs: dict):
+        """The layers called one by one as the model calls them outside the stack (their own compiled calls and
+        checkpointing), their state put back as it is outside `running` while they run, so that a checkpointed
+        layer's recomputation (after the block) finds the state, and the compiled graph, that its forward found."""
+        stacked, (own, checkpointing) = [layer._compiled_call_impl for layer in self.layers], self.own
+        self.put(own, True if checkpointing else None)
+        try:
+            out = hidden
+            for layer in self.layers:
+                out = layer(hidden, **kwargs)
+                hidden = out[0] if isinstance(out, tuple) else out
+            return out
+        finally:
+            self.put(stacked, False if checkpointing else None)
 
     def hand_on(self, hidden, **kwargs):
         """A later layer's call: the stack's output, checked to be what the loop hands on with the first layer's

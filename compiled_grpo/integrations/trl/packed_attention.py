@@ -215,8 +215,11 @@ def shared_forward_kwargs(name: str | None, packed, config) -> dict:
         return {**chosen, "attention_mask": shared_masks.masks(runs, packed, config)}
     bounds = to_device(torch.cat([packed.cu_seqlens, keys.cu_seqlens, keys.index.to(torch.int32)]), device)
     q, k = len(packed.cu_seqlens), len(keys.cu_seqlens)
-    boundaries = {"cu_seq_lens_q": bounds[:q], "max_length_q": packed.longest, "cu_seq_lens_k": bounds[q : q + k],
-                  "max_length_k": keys.longest, KEY_INDEX: bounds[q + k :].long()}  # fmt: skip
+    # one copy to the device, then tensors of their own: the inputs of a nested compile region (the stack's layer
+    # calls) may not alias one another, which two views of one copy would
+    boundaries = {"cu_seq_lens_q": bounds[:q], "max_length_q": packed.longest,
+                  "cu_seq_lens_k": bounds[q : q + k].clone(), "max_length_k": keys.longest,
+                  KEY_INDEX: bounds[q + k :].long()}  # fmt: skip
     return {**chosen, **boundaries, "attention_mask": no_masks(config)}
 
 
