@@ -17,10 +17,12 @@ layers attend differently, e.g. sliding-window layers, are refused at `check`), 
 layers; both are checked at every call. Only the layers' loop is compiled: an op after the last nested region in
 the same compiled graph gave wrong parameter gradients (torch 2.13.0, CPU), so the final norm stays outside.
 
-A nested region must be captured whole: where dynamo cannot (a graph break inside a layer's call, e.g. in an
-attention function that this torch cannot trace), that kind of call (with or without grad, checkpointed or not, its
-keyword arguments' names: a forward sharing prompts passes more) runs its layers one by one on their compiled calls
-from then on, said once with dynamo's reason, and the other kinds stay on the stack.
+A nested region must be captured whole, and its inputs may not alias one another (the packed attention's
+boundaries are tensors of their own for that). Where dynamo cannot capture a call (a graph break inside a layer's
+call, e.g. in an attention function that this torch cannot trace), that kind of call (with or without grad,
+checkpointed or not, its keyword arguments' names: a forward sharing prompts passes more) runs its layers one by one
+as the model runs them outside the stack from then on (`layer_by_layer`), said once with dynamo's reason, and the
+other kinds stay on the stack.
 """
 
 from __future__ import annotations
