@@ -157,15 +157,27 @@ def test_a_loop_that_changes_the_hidden_states_between_layers_is_refused():
         assert torch.equal(layers[1](layers[0](x)), layers[1].forward(layers[0].forward(x)))
 
 
-def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch):  # noqa: F811
-    """`train()` (gradient checkpointing on, which TRL switches off and on around each generation) on the stack."""
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch, attention):  # noqa: F811
+    """`train()` (gradient checkpointing on, which TRL switches off and on around each generation) on the stack; on
+    varlen attention (a masked SDPA standing in for it on the CPU) its groups share their prompts, every kind of
+    call captured whole."""
+    import varlen_masked
+
+    from compiled_grpo.integrations.trl import packed_attention
+
+    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_masked.varlen_attn)
+    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
     calls, run_all = [], compiled_stack.Stack.run_all
     monkeypatch.setattr(compiled_stack.Stack, "run_all", lambda *a, **k: calls.append(1) or run_all(*a, **k))
     with pytest.warns(regional_compile.BackboneNotice):
         losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack",
-                                       packed_attention="sdpa", skip_zero_advantage=False,
+                                       packed_attention=attention, skip_zero_advantage=False,
                                        compile_backbone="stack")  # fmt: skip
     assert trainer.packed_shapes.fixed and set(trainer.backbone_stacks) and packed_share(trainer) > 0.5 and calls
+    assert all(stack.one_by_one == {} for stack in trainer.backbone_stacks.values())
+    saved = trainer.state.log_history[0].get("shared_prompts/saved_tokens", 0.0)
+    assert attention != "varlen" or (trainer.sharing_refused == "" and saved > 0), (trainer.sharing_refused, saved)
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
 
 
