@@ -18,12 +18,7 @@ from test_padding_free import LOSS_TYPES, varied_batch, with_logps
 from test_skip_zero_advantage import assert_same, trl_loss
 from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, tmp_root, train  # noqa: F401
 
-from compiled_grpo.integrations.trl import (
-    CompiledGRPOTrainer,
-    compiled_stack,
-    packing,
-    regional_compile,
-)
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, packing, regional_compile
 
 pytestmark = pytest.mark.compiled
 
@@ -164,10 +159,7 @@ def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch,
     call captured whole."""
     import varlen_masked
 
-    from compiled_grpo.integrations.trl import packed_attention
-
-    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_masked.varlen_attn)
-    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
+    varlen_masked.install(monkeypatch)
     calls, run_all = [], compiled_stack.Stack.run_all
     monkeypatch.setattr(compiled_stack.Stack, "run_all", lambda *a, **k: calls.append(1) or run_all(*a, **k))
     with pytest.warns(regional_compile.BackboneNotice):

@@ -12,15 +12,14 @@ import varlen_masked
 from test_compiled_stack import fixed_trainer, stack_matches_trl
 from test_train_checkpointed import varlen_on_the_cpu
 
-from compiled_grpo.integrations.trl import compiled_stack, packed_attention, regional_compile
+from compiled_grpo.integrations.trl import compiled_stack, regional_compile
 
 pytestmark = pytest.mark.compiled
 
 
 @pytest.fixture
 def varlen_masked_sdpa(monkeypatch):
-    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_masked.varlen_attn)
-    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)
+    varlen_masked.install(monkeypatch)
 
 
 def test_the_masked_stand_in_equals_the_per_sequence_one():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from compiled_grpo.integrations.trl import packed_attention
+
 CAUSAL = (-1, 0)
 
 
@@ -28,3 +30,9 @@ def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=seen, scale=scale,
                                                            enable_gqa=enable_gqa)  # fmt: skip
     return out[0].transpose(0, 1)
+
+
+def install(monkeypatch) -> None:
+    """Packed forwards on this stand-in wherever they would run torch's varlen FlashAttention."""
+    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(packed_attention, "varlen_unavailable", lambda device, sixteen_bit: None)

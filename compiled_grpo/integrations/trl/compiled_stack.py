@@ -99,7 +99,7 @@ class Stack:
     def run_all(self, checkpoint, hidden, **kwargs):
         kind = (torch.is_grad_enabled(), checkpoint is not None, tuple(sorted(kwargs)))
         out = None if kind in self.one_by_one else self.captured(kind, hidden, kwargs, checkpoint)
-        if kind in self.one_by_one:
+        if out is None:  # a kind dynamo cannot capture
             out = self.layer_by_layer(hidden, kwargs)
         self.kwargs, self.out = kwargs, out
         self.final = out[0] if isinstance(out, tuple) else out
