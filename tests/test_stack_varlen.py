@@ -56,21 +56,22 @@ def test_varlen_forwards_sharing_prompts_on_the_stack_equal_trl(tmp_path, varlen
     assert trainer.sharing_refused == "" and trainer._metrics["train"]["shared_prompts/saved_tokens"][0] > 0
 
 
-def breaking_nested_call(with_grad_too: bool):
-    """The stack's nested region over a layer's call that breaks dynamo's graph without grad (and with it)."""
+def breaking_layer_call(with_grad_too: bool):
+    """A layer's call inside the stack's nested regions that breaks dynamo's graph without grad (and with it)."""
+    call_layer = compiled_stack.call_layer
 
     def breaks(layer, hidden, kwargs):
         if with_grad_too or not torch.is_grad_enabled():
             torch._dynamo.graph_break()
-        return compiled_stack.call_layer(layer, hidden, kwargs)
+        return call_layer(layer, hidden, kwargs)
 
-    return torch.compiler.nested_compile_region(breaks)
+    return breaks
 
 
 def test_calls_dynamo_cannot_capture_run_layer_by_layer_and_the_rest_stay_stacked(tmp_path, monkeypatch):
     """Without grad only (the checks' forwards): that kind of call runs its layers one by one, said once with
     dynamo's reason; sharing still passes its check, the step with grad runs on the stack, equal to TRL's."""
-    monkeypatch.setattr(compiled_stack, "_nested_call", breaking_nested_call(with_grad_too=False))
+    monkeypatch.setattr(compiled_stack, "call_layer", breaking_layer_call(with_grad_too=False))
     trainer = fixed_trainer(tmp_path, loss_type="dapo")
     inputs = shared.with_logps(trainer, shared.grouped_batch(4), 0.0)
     with pytest.warns(regional_compile.BackboneNotice, match="without grad.*run one by one.*graph_break"):
@@ -86,7 +87,7 @@ def test_checkpointed_calls_dynamo_cannot_capture_equal_trl_layer_by_layer(
 ):
     """Every kind of call uncapturable, checkpointed: the layers run as the model runs them, their recomputation
     (after the stack's block) on the graphs their forward ran, and the step equals TRL's."""
-    monkeypatch.setattr(compiled_stack, "_nested_call", breaking_nested_call(with_grad_too=True))
+    monkeypatch.setattr(compiled_stack, "call_layer", breaking_layer_call(with_grad_too=True))
     trainer = checkpointed_trainer(tmp_path, checkpointing)
     with pytest.warns(regional_compile.BackboneNotice, match="with grad.*run one by one"):
         stack_matches_trl(trainer, shared.with_logps(trainer, shared.grouped_batch(4), 0.0))

@@ -5,9 +5,11 @@ recomputation, backward), each call paying the host's cost of a compiled call (g
 Inductor's launcher, checkpointing's hooks). Here the model's layer loop is one compiled function on static shapes
 (packed rows padded to a few capacities, `packing.Shapes(fixed=True)`, so a graph per capacity): each layer's call
 a `torch.compiler.nested_compile_region` (compiled once, called per layer with its own parameters), checkpointed
-inside the compiled function where the model checkpoints, so that the recomputations and backwards of every layer
-run inside one compiled backward. Measured on a CPU (`benchmarks.diagnostics.layer_calls`): a third of regional
-compile's host time per checkpointed layer call.
+inside that region where the model checkpoints, so that the recomputations and backwards of every layer run inside
+one compiled backward, each layer recomputed just before its own backward. (A checkpoint around each region instead
+let AOTAutograd save only the first layer's input and recompute every layer at the start of the backward, holding
+all their activations at once: 13.4 GiB against GRPOTrainer's 5.2 at 1.5B, torch 2.11 on an H100.) Measured on a
+CPU (`benchmarks.diagnostics.layer_calls`): a third of regional compile's host time per checkpointed layer call.
 
 How it runs inside transformers' own model forward, whatever its version: while a packed forward runs (`running`),
 the first layer's call runs every layer (the rest of the loop handing its hidden states through untouched), and the
@@ -43,17 +45,28 @@ def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
     return layer._call_impl(hidden, **kwargs)
 
 
+def checkpointed_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, checkpoint: dict):
+    """One layer's call checkpointed with `checkpoint`, `torch.utils.checkpoint.checkpoint`'s keyword arguments."""
+    return torch.utils.checkpoint.checkpoint(functools.partial(call_layer, layer, kwargs=kwargs), hidden, **checkpoint)
+
+
+def plain_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
+    """One layer's call, not checkpointed."""
+    return call_layer(layer, hidden, kwargs)
+
+
 NESTED = hasattr(torch.compiler, "nested_compile_region")  # torch >= 2.8
-_nested_call = torch.compiler.nested_compile_region(call_layer) if NESTED else None
+_nested_call = torch.compiler.nested_compile_region(plain_layer) if NESTED else None
+_nested_checkpointed = torch.compiler.nested_compile_region(checkpointed_layer) if NESTED else None
 
 
 def through_layers(layers, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
-    """`hidden` through every layer, each layer's call one nested region, checkpointed with `checkpoint` (the
-    keyword arguments of `torch.utils.checkpoint.checkpoint`; None: not checkpointed); what the last layer returns."""
+    """`hidden` through every layer, each layer's call one nested region, checkpointed inside it with `checkpoint`
+    (None: not checkpointed); what the last layer returns."""
     out = hidden
     for layer in layers:
-        run = functools.partial(_nested_call, layer, kwargs=kwargs)
-        out = run(hidden) if checkpoint is None else torch.utils.checkpoint.checkpoint(run, hidden, **checkpoint)
+        out = _nested_call(layer, hidden, kwargs) if checkpoint is None else _nested_checkpointed(
+            layer, hidden, kwargs, checkpoint)  # fmt: skip
         hidden = out[0] if isinstance(out, tuple) else out
     return out
 
@@ -70,7 +83,9 @@ class Stack:
 
     def __init__(self, layers: list[torch.nn.Module], say=warnings.warn):
         self.layers, self.say = layers, say
-        self.compiled = torch.compile(through_layers, dynamic=False)
+        # fullgraph: a graph break must fail the capture (`CAPTURE_FAILURES`), not split the stack silently (inside a
+        # layer's checkpoint, dynamo would run that checkpoint eagerly instead)
+        self.compiled = torch.compile(through_layers, dynamic=False, fullgraph=True)
         self.kwargs, self.out, self.final, self.own = None, None, None, None
         self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
