@@ -287,24 +287,25 @@ def summary(row: dict) -> dict | None:
 
 def summary_lines(rows: list[dict]) -> str:
     lines = [
-        "| model | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one step (s) "
-        "| first two steps (s) | longest later step / median | generation graphs (first two steps + later) | "
-        "peak GiB | mean completion | prompt tokens shared, per micro-batch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | machine | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one "
+        "step (s) | first two steps (s) | longest later step / median | generation graphs (first two steps + later) "
+        "| peak GiB | mean completion | prompt tokens shared, per micro-batch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = {r["row"]: r for r in rows if r["model"] == model}
-        base = summary(mine.get("grpo", {}))
+    for model, machine in dict.fromkeys((r["model"], r.get("machine", "")) for r in rows):
+        mine = {r["row"]: r for r in rows if r["model"] == model and r.get("machine", "") == machine}
+        base = summary(mine.get("grpo", {}))  # the speed-ups within one machine's run
         for name, row in mine.items():
             s = summary(row)
+            model_cell = f"| {model} | {machine} | {ROWS[name]} |"
             if s is None:
-                lines.append(f"| {model} | {ROWS[name]} | {row.get('error', 'too few steps')} |" + " |" * 10)
+                lines.append(f"{model_cell} {row.get('error', 'too few steps')} |" + " |" * 10)
                 continue
             speed = f"{base['median_s'] / s['median_s']:.2f}x" if base else "-"
             busy = f"{row['busy_ms'] / 1e3:.2f} of {row['busy_step_s']:.2f}" if row.get("busy_ms") else "-"
             peak = f"{row['peak_gib']:.2f}" if row.get("peak_gib") is not None else "-"
             lines.append(
-                f"| {model} | {ROWS[name]} | {s['median_s']:.2f} | {speed} | {s['generation_s']:.2f} | "
+                f"{model_cell} {s['median_s']:.2f} | {speed} | {s['generation_s']:.2f} | "
                 f"{s['rest_s']:.2f} | {busy} | {s['first_two_s']:.1f} | {s['longest_later_s'] / s['median_s']:.2f} | "
                 f"{s['first_graphs']} + {s['later_graphs']} | {peak} | {s['mean_completion']:.0f} | "
                 f"{row.get('shared_prompt_tokens', 0.0):.0f} |"
@@ -324,16 +325,17 @@ def clip_at(ax, rows: list[dict], width: float) -> None:
 
 
 def draw(rows: list[dict], path: Path, title: str) -> None:
-    """Each run's steps as stacked bars (generation below, the rest of the step above), one panel per model."""
+    """Each run's steps as stacked bars (generation below, the rest of the step above), a panel per model and
+    machine."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in rows if r.get("steps")))
-    fig, axes = plt.subplots(len(models), 1, figsize=(13, 3.6 * len(models)), squeeze=False)
-    for ax, model in zip(axes[:, 0], models, strict=True):
-        mine = [r for r in rows if r["model"] == model and r.get("steps")]
+    panels = list(dict.fromkeys((r["model"], r.get("machine", "")) for r in rows if r.get("steps")))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.6 * len(panels)), squeeze=False)
+    for ax, (model, machine) in zip(axes[:, 0], panels, strict=True):
+        mine = [r for r in rows if (r["model"], r.get("machine", "")) == (model, machine) and r.get("steps")]
         width = 0.8 / len(mine)
         for i, row in enumerate(mine):
             x = [k + i * width for k in range(len(row["steps"]))]
@@ -347,7 +349,7 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
         ax.set_xticklabels([str(k + 1) for k in range(max(len(r["steps"]) for r in mine))])
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("seconds")
-        ax.set_title(f"{model}: each step's generation (solid) and the rest of the step (hatched)")
+        ax.set_title(f"{model} ({machine or 'one machine'}): each step's generation (solid) and the rest (hatched)")
         ax.legend(fontsize=7, ncol=2, loc="upper right")
     fig.suptitle(title)
     fig.tight_layout()
@@ -356,18 +358,22 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
 
 
 def report(args) -> None:
-    rows, found = [], {}
+    rows, machines = [], {}
     for name in args.report:
         data = json.loads(Path(name).read_text())
-        rows += data["rows"]
         found = data["versions"]
+        machine = f"{found['gpu'].removeprefix('NVIDIA ')}, {found['date']}"
+        machines[machine] = found
+        rows += [{**row, "machine": machine} for row in data["rows"]]
+    versions = "; ".join(
+        f"{machine}: torch {found['torch']}, transformers {found['transformers']}, TRL {found['trl']}, "
+        f"accelerate {found['accelerate']}" for machine, found in machines.items())  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [
         "# `trainer.train()`: the whole optimizer step, generation included",
         "",
-        f"{found['gpu']}; torch {found['torch']}, transformers {found['transformers']}, TRL {found['trl']}, "
-        f"accelerate {found['accelerate']}; run {found['date']}. " + __doc__.split("\n\n")[1].replace("\n", " "),
+        f"Machines (GPU, date of the run): {versions}. " + __doc__.split("\n\n")[1].replace("\n", " "),
         "",
         "`speed-up`: GRPOTrainer's median step over the row's. `GPU busy`: the device time of the step after the "
         "timed ones, of that step's wall clock under the profiler. `generation graphs`: graphs dynamo compiled "
@@ -379,7 +385,7 @@ def report(args) -> None:
         "",
     ]
     (out / "train.md").write_text("\n".join(lines))
-    draw(rows, out / "train.png", f"train(), {found['gpu']}, run {found['date']}")
+    draw(rows, out / "train.png", f"train(); {', '.join(machines)}")
     print("\n".join(lines))
 
 

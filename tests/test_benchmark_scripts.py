@@ -170,9 +170,15 @@ def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them
     for row in rows:
         assert len(row["steps"]) == 3 and all(0 < s["generation_s"] < s["wall_s"] for s in row["steps"])
         assert all(s["mean_completion"] > 0 for s in row["steps"])
-    train.main(["--report", str(tmp_path / "train-tiny.json"), "--out", str(tmp_path / "out")])
+    other = json.loads((tmp_path / "train-tiny.json").read_text())  # the same runs as if on another machine
+    other["versions"]["gpu"] = "another"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    train.main(
+        ["--report", str(tmp_path / "train-tiny.json"), str(tmp_path / "other.json"), "--out", str(tmp_path / "out")]
+    )
     table = (tmp_path / "out" / "train.md").read_text()
-    assert "| tiny | GRPOTrainer | " in table and "| 1.00x |" in table
+    assert "| tiny | cpu, " in table and "| tiny | another, " in table and "| GRPOTrainer | " in table
+    assert table.count("| 1.00x |") == 2, table  # each machine's speed-ups against its own GRPOTrainer
     assert (tmp_path / "out" / "train.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         train.main(["--model", "tiny", "--rows", "grpo,nonsense"])
