@@ -175,6 +175,7 @@ TRAINERS = {  # name: (trainer, its options)
     "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
     # the default's packed forwards through the layers as one compiled call per capacity (`compiled_stack`)
     "stack": (CompiledGRPOTrainer, {"compile_backbone": "stack"}),
+    "stack-noshare": (CompiledGRPOTrainer, {"compile_backbone": "stack", "share_prompts": False}),
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
     "padded": (CompiledGRPOTrainer, {"padding_free": False}),
     # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
@@ -228,6 +229,7 @@ LABELS = {
     "noshare": "CompiledGRPOTrainer, share_prompts=False",
     "graphs": "CompiledGRPOTrainer, compile_backbone='graphs'",
     "stack": "CompiledGRPOTrainer, compile_backbone='stack'",
+    "stack-noshare": "CompiledGRPOTrainer, compile_backbone='stack', share_prompts=False",
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
     "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",
