@@ -285,6 +285,11 @@ def summary(row: dict) -> dict | None:
     }  # fmt: skip
 
 
+def run_of(row: dict) -> tuple[str, str]:
+    """(model, machine) of a row: the rows whose speed-ups share one GRPOTrainer run (machine "" outside a report)."""
+    return row["model"], row.get("machine", "")
+
+
 def summary_lines(rows: list[dict]) -> str:
     lines = [
         "| model | machine | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one "
@@ -292,8 +297,8 @@ def summary_lines(rows: list[dict]) -> str:
         "| peak GiB | mean completion | prompt tokens shared, per micro-batch |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model, machine in dict.fromkeys((r["model"], r.get("machine", "")) for r in rows):
-        mine = {r["row"]: r for r in rows if r["model"] == model and r.get("machine", "") == machine}
+    for model, machine in dict.fromkeys(map(run_of, rows)):
+        mine = {r["row"]: r for r in rows if run_of(r) == (model, machine)}
         base = summary(mine.get("grpo", {}))  # the speed-ups within one machine's run
         for name, row in mine.items():
             s = summary(row)
@@ -332,10 +337,10 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(dict.fromkeys((r["model"], r.get("machine", "")) for r in rows if r.get("steps")))
+    panels = list(dict.fromkeys(run_of(r) for r in rows if r.get("steps")))
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.6 * len(panels)), squeeze=False)
     for ax, (model, machine) in zip(axes[:, 0], panels, strict=True):
-        mine = [r for r in rows if (r["model"], r.get("machine", "")) == (model, machine) and r.get("steps")]
+        mine = [r for r in rows if run_of(r) == (model, machine) and r.get("steps")]
         width = 0.8 / len(mine)
         for i, row in enumerate(mine):
             x = [k + i * width for k in range(len(row["steps"]))]

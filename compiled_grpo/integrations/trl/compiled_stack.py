@@ -51,7 +51,7 @@ def checkpointed_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dic
 
 
 def plain_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
-    """One layer's call, not checkpointed."""
+    """One layer's call, not checkpointed (both regions call `call_layer` by name, so one replacement reaches both)."""
     return call_layer(layer, hidden, kwargs)
 
 
@@ -65,8 +65,10 @@ def through_layers(layers, hidden: torch.Tensor, kwargs: dict, checkpoint: dict 
     (None: not checkpointed); what the last layer returns."""
     out = hidden
     for layer in layers:
-        out = _nested_call(layer, hidden, kwargs) if checkpoint is None else _nested_checkpointed(
-            layer, hidden, kwargs, checkpoint)  # fmt: skip
+        if checkpoint is None:
+            out = _nested_call(layer, hidden, kwargs)
+        else:
+            out = _nested_checkpointed(layer, hidden, kwargs, checkpoint)
         hidden = out[0] if isinstance(out, tuple) else out
     return out
 
