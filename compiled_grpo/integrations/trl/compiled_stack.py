@@ -1,19 +1,28 @@
-"""The decoder layers of a packed forward run as ONE compiled call (`compile_backbone="stack"`).
+"""The decoder layers of a packed forward run as a few compiled calls (`compile_backbone="stack"`).
 
 Compiled by region, a checkpointed step calls 28 compiled layers three times each per micro-batch (forward,
 recomputation, backward), each call paying the host's cost of a compiled call (guards, AOTAutograd's wrappers,
-Inductor's launcher, checkpointing's hooks). Here the model's layer loop is one compiled function on static shapes
-(packed rows padded to a few capacities, `packing.Shapes(fixed=True)`, so a graph per capacity): each layer's call
-a `torch.compiler.nested_compile_region` (compiled once, called per layer with its own parameters), checkpointed
-inside that region where the model checkpoints, so that the recomputations and backwards of every layer run inside
-one compiled backward, each layer recomputed just before its own backward. (A checkpoint around each region instead
-let AOTAutograd save only the first layer's input and recompute every layer at the start of the backward, holding
-all their activations at once: 13.4 GiB against GRPOTrainer's 5.2 at 1.5B, torch 2.11 on an H100.) Measured on a
-CPU (`benchmarks.diagnostics.layer_calls`): a third of regional compile's host time per checkpointed layer call.
+Inductor's launcher, checkpointing's hooks). Here the layers run in a few equal groups, each group one call of a
+compiled function: each layer's call a `torch.compiler.nested_compile_region` (compiled once, called per layer with
+its own parameters), checkpointed inside that region where the model checkpoints, so that the recomputations and
+backwards of a group's layers run inside one compiled backward, each layer recomputed just before its own backward.
+(A checkpoint around each region instead let AOTAutograd save only the first layer's input and recompute every layer
+at the start of the backward, holding all their activations at once: 13.4 GiB against GRPOTrainer's 5.2 at 1.5B,
+torch 2.11 on an H100.) Measured on a CPU (`benchmarks.diagnostics.layer_calls`): a third of regional compile's host
+time per checkpointed layer call.
+
+A compiled backward returns its parameters' gradients together, all alive until they are added to `.grad`, so a
+group holds as many layers as keep them within `GRADIENTS_PER_CALL` (one call for all the layers took 0.63 GiB more
+at its peak than regional compile at Qwen2.5-0.5B, 2.26 GiB at 1.5B: torch 2.11, an H100). Packed rows are padded to
+a few capacities (`packing.Shapes(fixed=True)`); a kind of call's first graph is static and, where a later call's
+shapes or lengths differ, one more graph takes them as dynamic (dynamo's automatic dynamic shapes): a few graphs per
+kind of call whatever the lengths (two, or three where torch 2.13.0 failed to evaluate the first dynamic graph's
+guards). Static graphs, one per capacity, recompiled the whole stack at every new capacity of a `train()` run (30-40
+s each on an H100's host).
 
 How it runs inside transformers' own model forward, whatever its version: while a packed forward runs (`running`),
-the first layer's call runs every layer (the rest of the loop handing its hidden states through untouched), and the
-layers' own checkpointing is switched off for that forward (the compiled function checkpoints each layer with the
+a group's first layer's call runs the group (the rest of the loop handing its hidden states through untouched), and
+the layers' own checkpointing is switched off for that forward (the compiled function checkpoints each layer with the
 same settings instead). Every layer must be called with the first one's arguments (one mask for all: models whose
 layers attend differently, e.g. sliding-window layers, are refused at `check`), and nothing may run between two
 layers; both are checked at every call. Only the layers' loop is compiled: an op after the last nested region in
@@ -38,6 +47,9 @@ import torch
 # What dynamo raises where it cannot capture a call as one graph: a graph break inside a nested region, or one
 # that dynamo does not support.
 CAPTURE_FAILURES = (torch._dynamo.exc.UncapturedHigherOrderOpError, torch._dynamo.exc.Unsupported)
+# The gradients one compiled call may hold at once (`layers_per_call`): 4 of Qwen2.5-1.5B's layers in bf16 (372 MB),
+# 12 of 0.5B's, one of 7B's.
+GRADIENTS_PER_CALL = 512 * 2**20
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
@@ -79,26 +91,32 @@ def capture_failure(error: Exception) -> str:
 
 
 class Stack:
-    """A model's decoder layers, run as one compiled call inside `running()`."""
+    """A model's decoder layers, run as a few compiled calls (groups of `per_call` layers) inside `running()`."""
 
-    RECOMPILE_LIMIT = 64  # a graph per capacity, with and without grad, per model: more than dynamo's default 8
+    RECOMPILE_LIMIT = 64  # a few graphs per kind of call, per model: may pass dynamo's default 8
 
-    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn):
+    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn, per_call: int | None = None):
         self.layers, self.say = layers, say
+        self.per_call = per_call or layers_per_call(layers)
         # fullgraph: a graph break must fail the capture (`CAPTURE_FAILURES`), not split the stack silently (inside a
-        # layer's checkpoint, dynamo would run that checkpoint eagerly instead)
-        self.compiled = torch.compile(through_layers, dynamic=False, fullgraph=True)
+        # layer's checkpoint, dynamo would run that checkpoint eagerly instead). dynamic=None: automatic dynamic
+        # shapes, only what changes between calls made dynamic (dynamic=True makes every size symbolic, and a size
+        # that the layer then specializes, e.g. the hidden size, broke dynamo's reuse of the nested region:
+        # InternalTorchDynamoError KeyError, torch 2.13.0)
+        self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True)
         self.kwargs, self.out, self.final, self.own = None, None, None, None
         self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
     @contextlib.contextmanager
     def running(self):
-        """Inside the block a call of the first layer runs them all (compiled), the others hand on its output."""
+        """Inside the block a call of a group's first layer runs the group (compiled), its others hand on its output."""
         first, checkpointing = self.layers[0], getattr(self.layers[0], "gradient_checkpointing", False)
         in_training = first.training and torch.is_grad_enabled()
         checkpoint = checkpoint_settings(first) if checkpointing and in_training else None
         self.own = [layer._compiled_call_impl for layer in self.layers], checkpointing
-        stacked = [functools.partial(self.run_all, checkpoint)] + [self.hand_on] * (len(self.layers) - 1)
+        stacked = [self.hand_on] * len(self.layers)
+        for start in range(0, len(self.layers), self.per_call):
+            stacked[start] = functools.partial(self.run_group, checkpoint, start)
         self.put(stacked, False if checkpointing else None)  # checkpointed inside the stack instead
         try:
             yield
@@ -113,17 +131,22 @@ class Stack:
             if checkpointing is not None:
                 layer.gradient_checkpointing = checkpointing
 
-    def run_all(self, checkpoint, hidden, **kwargs):
+    def run_group(self, checkpoint, start: int, hidden, **kwargs):
+        """The call of layer `start` (a group's first): the group's layers through, on what the group before handed
+        on, with its arguments."""
+        if start:
+            self.check_handed_on(hidden, kwargs)
+        group = self.layers[start : start + self.per_call]
         kind = (torch.is_grad_enabled(), checkpoint is not None, tuple(sorted(kwargs)))
-        out = None if kind in self.one_by_one else self.captured(kind, hidden, kwargs, checkpoint)
+        out = None if kind in self.one_by_one else self.captured(kind, group, hidden, kwargs, checkpoint)
         if out is None:  # a kind dynamo cannot capture
-            out = self.layer_by_layer(hidden, kwargs)
+            out = self.layer_by_layer(group, hidden, kwargs)
         self.kwargs, self.out = kwargs, out
         self.final = out[0] if isinstance(out, tuple) else out
         return out
 
-    def captured(self, kind: tuple, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
-        """The layers as one compiled call; None where dynamo cannot capture this kind of call (said once)."""
+    def captured(self, kind: tuple, group: list, hidden: torch.Tensor, kwargs: dict, checkpoint: dict | None):
+        """The group's layers as one compiled call; None where dynamo cannot capture this kind of call (said once)."""
         if torch.is_grad_enabled():  # every layer's call alike, as their shared nested region needs
             why_not = differently_trained(self.layers)
             if why_not:
@@ -132,7 +155,7 @@ class Stack:
                 hidden = hidden.detach().requires_grad_()
         try:
             with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
-                return self.compiled(self.layers, hidden, kwargs, checkpoint)
+                return self.compiled(group, hidden, kwargs, checkpoint)
         except CAPTURE_FAILURES as error:
             self.one_by_one[kind] = f"{type(error).__name__}: {capture_failure(error)}"
         grad = "with grad" if kind[0] else "without grad"
@@ -141,15 +164,15 @@ class Stack:
                  f"their compiled calls ({self.one_by_one[kind]})")  # fmt: skip
         return None
 
-    def layer_by_layer(self, hidden: torch.Tensor, kwargs: dict):
-        """The layers called one by one as the model calls them outside the stack (their own compiled calls and
-        checkpointing), their state put back as it is outside `running` while they run, so that a checkpointed
+    def layer_by_layer(self, group: list, hidden: torch.Tensor, kwargs: dict):
+        """The group's layers called one by one as the model calls them outside the stack (their own compiled calls
+        and checkpointing), their state put back as it is outside `running` while they run, so that a checkpointed
         layer's recomputation (after the block) finds the state, and the compiled graph, that its forward found."""
         stacked, (own, checkpointing) = [layer._compiled_call_impl for layer in self.layers], self.own
         self.put(own, True if checkpointing else None)
         try:
             out = hidden
-            for layer in self.layers:
+            for layer in group:
                 out = layer(hidden, **kwargs)
                 hidden = out[0] if isinstance(out, tuple) else out
             return out
@@ -157,8 +180,13 @@ class Stack:
             self.put(stacked, False if checkpointing else None)
 
     def hand_on(self, hidden, **kwargs):
-        """A later layer's call: the stack's output, checked to be what the loop hands on with the first layer's
+        """A call of a layer inside a group: the group's output, checked to be what the loop hands on with the group's
         arguments."""
+        self.check_handed_on(hidden, kwargs)
+        return self.out
+
+    def check_handed_on(self, hidden, kwargs: dict) -> None:
+        """That the loop hands a layer the last group's output, with the arguments the group was called with."""
         if hidden is not self.final:
             raise RuntimeError("compile_backbone='stack': the model changed the hidden states between two decoder "
                                "layers; choose compile_backbone=True for this model")  # fmt: skip
@@ -166,7 +194,15 @@ class Stack:
         if not same:
             raise RuntimeError("compile_backbone='stack': the model calls its decoder layers with different arguments "
                                "(per-layer masks?); choose compile_backbone=True for this model")  # fmt: skip
-        return self.out
+
+
+def layers_per_call(layers: list[torch.nn.Module]) -> int:
+    """How many layers one compiled call runs: the most that divide the layers into equal groups (one graph serves
+    them all) whose trained parameters' gradients fit `GRADIENTS_PER_CALL` (a compiled backward returns its
+    gradients together, so a group's are all alive before they are added to `.grad`); at least one."""
+    per_layer = max(sum(p.numel() * p.element_size() for p in layers[0].parameters() if p.requires_grad), 1)
+    fits = max(GRADIENTS_PER_CALL // per_layer, 1)
+    return max(n for n in range(1, len(layers) + 1) if len(layers) % n == 0 and n <= fits)
 
 
 def checkpoint_settings(layer: torch.nn.Module) -> dict:
