@@ -173,7 +173,7 @@ TRAINERS = {  # name: (trainer, its options)
     ),  # fmt: skip
     # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities
     "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
-    # the default's packed forwards through the layers as one compiled call per capacity (`compiled_stack`)
+    # the default's packed forwards through the layers as a few compiled calls (`compiled_stack`: groups of layers)
     "stack": (CompiledGRPOTrainer, {"compile_backbone": "stack"}),
     "stack-noshare": (CompiledGRPOTrainer, {"compile_backbone": "stack", "share_prompts": False}),
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),

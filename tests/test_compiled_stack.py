@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -141,30 +142,56 @@ def test_shared_prompts_on_the_stack_equal_trl(tmp_path):
 
 
 def test_fifty_steps_of_random_lengths_compile_two_stacks_per_kind_of_call(tmp_path):
-    """50 micro-batches of random prompt and completion lengths (8-84 real tokens, some groups sharing a prompt) on
-    capacities of a 4-token bucket (14 between 4 and 96): every call a capacity, and the stack's compiled function
-    gets at most three graphs per kind of call it met (with grad or without, its keywords: a forward sharing
-    prompts passes more), a static one and then the lengths dynamic (torch 2.13.0 compiled a second dynamic graph
-    where the first one's guards failed to evaluate: "tuple index out of range"), not a graph per capacity."""
+    """50 micro-batches of 2-6 rows of random prompt and completion lengths (some groups sharing a prompt) on
+    capacities of a 4-token bucket: every call a capacity, and the stack's compiled function gets at most three
+    graphs per kind of call it met (with grad or without, its keywords: a forward sharing prompts passes more), a
+    static one and then the lengths dynamic (torch 2.13.0 compiled a second dynamic graph where the first one's
+    guards failed to evaluate: "tuple index out of range"), fewer than the capacities it met. The first
+    micro-batch's checks (packing, sharing) run on eager layers: no call without grad reaches the stack."""
     trainer = fixed_trainer(tmp_path, loss_type="dapo")
     trainer.packed_shapes = packing.Shapes(4, fixed=True)
     g = torch.Generator().manual_seed(0)
     before = stack_graphs()
     with stacked(trainer) as calls:
         for step in range(50):
-            trainer._compute_loss(trainer.model, random_lengths_batch(step, g)).backward()
+            rows = int(torch.randint(2, 7, (), generator=g))
+            trainer._compute_loss(trainer.model, first_rows(random_lengths_batch(step, g), rows)).backward()
     capacities = {packing.capacity(t, 4) for t in range(1, 97)}
     seen = {tokens for tokens, *_ in calls}
     kinds = {(grad, keywords) for _, grad, keywords in calls}
-    assert len(calls) >= 50 and seen <= capacities, seen
+    assert len(calls) >= 40 and seen <= capacities and all(grad for grad, _ in kinds), (seen, kinds)  # most packed
     graphs = stack_graphs() - before
-    assert graphs <= 3 * len(kinds) < len(set(calls)), (graphs, kinds, sorted(set(calls)))
+    assert graphs <= 3 * len(kinds) and graphs < len(seen), (graphs, kinds, sorted(seen))
+
+
+def first_rows(inputs: dict, rows: int) -> dict:
+    """The micro-batch's first `rows` rows."""
+    B = inputs["completion_mask"].shape[0]
+    out = {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B else v for k, v in inputs.items()}
+    out["num_items_in_batch"] = out["completion_mask"].sum().float()
+    return out
 
 
 def stack_graphs() -> int:
     """Graphs compiled from `compiled_stack.through_layers` so far in this process."""
     code = compiled_stack.through_layers.__code__
     return sum(1 for _ in torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def test_a_stack_that_dynamo_fails_on_dynamic_lengths_compiles_static_shapes(tmp_path):
+    """Compiled with every size dynamic (`dynamic=True`), the stack fails to compile in torch 2.13.0 (dynamo's reuse
+    of the nested region raises an internal KeyError on a size that the layer specializes) and 2.14.1 (Inductor:
+    GuardOnDataDependentSymNode): it says so once, compiles static shapes from then on, and the step equals TRL's.
+    (A torch that compiles it keeps it, saying nothing.)"""
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    with stacked(trainer), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        (stack,) = trainer.backbone_stacks.values()
+        stack.compiled = torch.compile(compiled_stack.through_layers, dynamic=True, fullgraph=True)
+        matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0))
+    fell_back = [w for w in said if "dynamo failed on dynamic lengths" in str(w.message)]
+    assert len(fell_back) == (stack.compiled is stack.static), [str(w.message) for w in said]
+    assert stack.compiled is stack.static or not torch.__version__.startswith(("2.13.0", "2.14.1"))
 
 
 def test_a_model_whose_layers_attend_differently_is_refused(tmp_path):

@@ -69,11 +69,13 @@ def breaking_layer_call(with_grad_too: bool):
 
 
 def test_calls_dynamo_cannot_capture_run_layer_by_layer_and_the_rest_stay_stacked(tmp_path, monkeypatch):
-    """Without grad only (the checks' forwards): that kind of call runs its layers one by one, said once with
-    dynamo's reason; sharing still passes its check, the step with grad runs on the stack, equal to TRL's."""
+    """Without grad only (a group at advantage 0, forwarded without grad under `skip_zero_advantage="backward"`):
+    that kind of call runs its layers one by one, said once with dynamo's reason; sharing still passes its check,
+    the rows with grad run on the stack, and the step equals TRL's."""
     monkeypatch.setattr(compiled_stack, "call_layer", breaking_layer_call(with_grad_too=False))
-    trainer = fixed_trainer(tmp_path, loss_type="dapo")
+    trainer = fixed_trainer(tmp_path, skip="backward", loss_type="dapo")
     inputs = shared.with_logps(trainer, shared.grouped_batch(4), 0.0)
+    inputs["advantages"][(inputs["prompt_ids"] == inputs["prompt_ids"][0]).all(1)] = 0.0  # row 0's group
     with pytest.warns(regional_compile.BackboneNotice, match="without grad.*run one by one.*graph_break"):
         stack_matches_trl(trainer, inputs)
     (stack,) = trainer.backbone_stacks.values()

@@ -17,8 +17,8 @@ Rows:
     per layer);
   stack-nested-static: the same on static shapes (a graph per length, as packed rows padded to a few capacities
     would meet them);
-  compiled-stack: `compile_backbone="stack"`'s own stack (`compiled_stack.Stack`: the layers' calls nested regions on
-    static shapes, checkpointed inside the compiled function where the layers checkpoint).
+  compiled-stack: `compile_backbone="stack"`'s own stack (`compiled_stack.Stack`: the layers' calls nested regions,
+    checkpointed inside the compiled function where the layers checkpoint; groups of layers as it sizes them).
 
     python -m benchmarks.diagnostics.layer_calls [--rows eager,compiled,...] [--layers 28] [--repeats 30]
         [--no-checkpointing] [--out DIR] [--suffix=-run2]

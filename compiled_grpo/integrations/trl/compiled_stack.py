@@ -18,7 +18,8 @@ a few capacities (`packing.Shapes(fixed=True)`); a kind of call's first graph is
 shapes or lengths differ, one more graph takes them as dynamic (dynamo's automatic dynamic shapes): a few graphs per
 kind of call whatever the lengths (two, or three where torch 2.13.0 failed to evaluate the first dynamic graph's
 guards). Static graphs, one per capacity, recompiled the whole stack at every new capacity of a `train()` run (30-40
-s each on an H100's host).
+s each on an H100's host). Where compiling fails on the dynamic lengths (`COMPILE_FAILURES`; torch 2.13.0 once did,
+on a CPU stand-in of varlen attention with shared prompts), the stack compiles static shapes from then on, said once.
 
 How it runs inside transformers' own model forward, whatever its version: while a packed forward runs (`running`),
 a group's first layer's call runs the group (the rest of the loop handing its hidden states through untouched), and
@@ -47,6 +48,10 @@ import torch
 # What dynamo raises where it cannot capture a call as one graph: a graph break inside a nested region, or one
 # that dynamo does not support.
 CAPTURE_FAILURES = (torch._dynamo.exc.UncapturedHigherOrderOpError, torch._dynamo.exc.Unsupported)
+# What compiling on dynamic lengths raised: torch 2.13.0 an internal KeyError where dynamo reuses a nested region on a
+# size the layer specializes, 2.14.1 Inductor's GuardOnDataDependentSymNode (with every size dynamic).
+COMPILE_FAILURES = (torch._dynamo.exc.InternalTorchDynamoError, torch._dynamo.exc.BackendCompilerFailed,
+                    torch._dynamo.exc.TorchRuntimeError)  # fmt: skip
 # The gradients one compiled call may hold at once (`layers_per_call`): 4 of Qwen2.5-1.5B's layers in bf16 (372 MB),
 # 12 of 0.5B's, one of 7B's.
 GRADIENTS_PER_CALL = 512 * 2**20
@@ -104,6 +109,7 @@ class Stack:
         # that the layer then specializes, e.g. the hidden size, broke dynamo's reuse of the nested region:
         # InternalTorchDynamoError KeyError, torch 2.13.0)
         self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True)
+        self.static = torch.compile(through_layers, dynamic=False, fullgraph=True)  # where dynamic shapes fail
         self.kwargs, self.out, self.final, self.own = None, None, None, None
         self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
@@ -156,6 +162,13 @@ class Stack:
         try:
             with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
                 return self.compiled(group, hidden, kwargs, checkpoint)
+        except COMPILE_FAILURES as error:
+            if self.compiled is self.static:
+                raise
+            self.compiled = self.static
+            self.say(f"compile_backbone='stack': dynamo failed on dynamic lengths ({capture_failure(error)[:200]}), so "
+                     "the stack compiles static shapes from here, a graph per packed capacity")  # fmt: skip
+            return self.captured(kind, group, hidden, kwargs, checkpoint)
         except CAPTURE_FAILURES as error:
             self.one_by_one[kind] = f"{type(error).__name__}: {capture_failure(error)}"
         grad = "with grad" if kind[0] else "without grad"

@@ -1,9 +1,9 @@
 """CompiledGRPOTrainer's forwards on real tokens only (`packing`): the choice, the model check, the packed forwards.
 
-`padding_free="pack"` packs each micro-batch where the model keeps packed sequences apart (checked once per trainer,
-`packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward; `"auto"` (the default)
-is "pack" on a GPU where the packed attention is torch's varlen FlashAttention on compiled decoder layers, or from
-hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
+`padding_free="pack"` packs each micro-batch where the model keeps packed sequences apart (checked once per trainer
+on its eager layers, `packing_fails`) and trims it elsewhere; `"trim"` only trims; False runs TRL's padded forward;
+`"auto"` (the default) is "pack" on a GPU where the packed attention is torch's varlen FlashAttention on compiled
+decoder layers, or from hidden size `PACK_HIDDEN_SIZE`, "trim" elsewhere (`effective_mode`).
 Packed forwards run under the attention implementation `attention_for` picks; where it is not the model's own, the
 model dispatches each call by its own arguments (`packed_attention`), so that a layer recomputed by gradient
 checkpointing attends as its forward did, and every other forward (generation, padded ones) keeps the model's own.
@@ -140,18 +140,14 @@ def attention_for(choice: str | None, model, device: torch.device, sixteen_bit: 
     return "flex_attention" if config.hidden_size >= FLEX_HIDDEN_SIZE else "sdpa"
 
 
-def packs(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> bool:
-    """Whether this micro-batch runs packed: the trainer packs ("pack"), the model passed its check (made at the first
-    call, on every rank alike), no MoE auxiliary loss, rows whose real tokens are one span each, and padding enough
-    to remove (`padded_enough`)."""
+def packs(trainer, check_forward, ids: torch.Tensor, lengths: Lengths) -> bool:
+    """Whether this micro-batch runs packed: the trainer packs ("pack"), the model passed its checks (made at the
+    first call with `check_forward`, on every rank alike), no MoE auxiliary loss, rows whose real tokens are one span
+    each, and padding enough to remove (`padded_enough`)."""
     if trainer.padding_free_mode != "pack":
         return False
     if trainer.packing_refused is None:
-        trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_shapes) or ""
-        if trainer.packing_refused:
-            say_once(trainer, f"{trainer.packing_refused}; micro-batches are trimmed instead of packed")
-        elif trainer.share_prompts and shared_prompts.check(trainer, forward, ids, lengths):
-            say_once(trainer, f"{trainer.sharing_refused}; micro-batches are packed without sharing their prompts")
+        check_model(trainer, check_forward, ids, lengths)
     if trainer.aux_loss_enabled:
         say_once(trainer, "micro-batches are trimmed, not packed: the MoE auxiliary loss balances every position of "
                           "the model's row, padding included")  # fmt: skip
@@ -201,6 +197,18 @@ def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, shapes, g
     width = lengths.masks[1].shape[1]
     hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
     return hidden, outputs, targets(lengths, loss_rows, starts[loss_rows], width, hidden.device)
+
+
+def check_model(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> None:
+    """Whether the model keeps packed sequences apart (`packing_fails`) and attends by a shared prompt's mask
+    (`shared_prompts.check`), said where not. The checks ask what the model's attention does, so they run on its eager
+    layers: compiled ones would compile graphs without grad for them alone (on the stack, 30-40 s each at 1.5B)."""
+    with regional_compile.eager_layers(trainer):
+        trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_shapes) or ""
+        if trainer.packing_refused:
+            say_once(trainer, f"{trainer.packing_refused}; micro-batches are trimmed instead of packed")
+        elif trainer.share_prompts and shared_prompts.check(trainer, forward, ids, lengths):
+            say_once(trainer, f"{trainer.sharing_refused}; micro-batches are packed without sharing their prompts")
 
 
 def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes=1) -> str | None:
@@ -265,7 +273,8 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     stack = regional_compile.stack_of(trainer, model)
     rows_forward = packed_ids_forward(model, lm_head, trainer.packed_attention, stack)
     ids = model_inputs["input_ids"]
-    packed = lengths is not None and packs(trainer, rows_forward, ids, lengths)
+    check_forward = packed_ids_forward(model, lm_head, trainer.packed_attention, None)  # layer by layer, no stack
+    packed = lengths is not None and packs(trainer, check_forward, ids, lengths)
     if lengths is not None and model.training:
         log_real_tokens(trainer, lengths, packed)
     if packed:
