@@ -141,9 +141,8 @@ def attention_for(choice: str | None, model, device: torch.device, sixteen_bit: 
 
 
 def packs(trainer, check_forward, ids: torch.Tensor, lengths: Lengths) -> bool:
-    """Whether this micro-batch runs packed: the trainer packs ("pack"), the model passed its checks (made at the
-    first call with `check_forward`, on every rank alike), no MoE auxiliary loss, rows whose real tokens are one span
-    each, and padding enough to remove (`padded_enough`)."""
+    """Whether this micro-batch runs packed: the trainer packs ("pack"), the model passed its checks (`check_model`, at
+    the first call, on every rank alike), no MoE auxiliary loss, rows of one span each, padding enough to remove."""
     if trainer.padding_free_mode != "pack":
         return False
     if trainer.packing_refused is None:
@@ -200,9 +199,8 @@ def packed_forward(forward, ids: torch.Tensor, lengths: Lengths, plan, shapes, g
 
 
 def check_model(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> None:
-    """Whether the model keeps packed sequences apart (`packing_fails`) and attends by a shared prompt's mask
-    (`shared_prompts.check`), said where not. The checks ask what the model's attention does, so they run on its eager
-    layers: compiled ones would compile graphs without grad for them alone (on the stack, 30-40 s each at 1.5B)."""
+    """Whether the model keeps packed sequences apart (`packing_fails`) and obeys a shared prompt's mask, said where
+    not; on its eager layers, where compiled ones compiled no-grad graphs for them alone (30-40 s each on a stack)."""
     with regional_compile.eager_layers(trainer):
         trainer.packing_refused = packing_fails(forward, ids, lengths, trainer.packed_shapes) or ""
         if trainer.packing_refused:
@@ -213,8 +211,7 @@ def check_model(trainer, forward, ids: torch.Tensor, lengths: Lengths) -> None:
 
 def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes=1) -> str | None:
     """Why this model cannot be packed (None: it can): two sequences (the first `CHECK_TOKENS` real tokens of the
-    micro-batch's first two rows, or of its one row twice) packed, against each forwarded alone, no grad; each row
-    padded as the trainer's are (`shapes`: so a compiled backbone meets no new shape)."""
+    micro-batch's first two rows, or of its one row twice) packed, against each forwarded alone, no grad."""
     rows = torch.tensor([0, min(1, len(lengths.prompt) - 1)])
     prompt = lengths.prompt[rows].clamp(max=CHECK_TOKENS // 2)
     short = lengths._replace(prompt=lengths.prompt.clone(), completion=lengths.completion.clone())
