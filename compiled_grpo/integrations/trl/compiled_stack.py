@@ -100,9 +100,9 @@ class Stack:
 
     RECOMPILE_LIMIT = 64  # a few graphs per kind of call, per model: may pass dynamo's default 8
 
-    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn, per_call: int | None = None):
+    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn):
         self.layers, self.say = layers, say
-        self.per_call = per_call or layers_per_call(layers)
+        self.per_call = layers_per_call(layers)
         # fullgraph: a graph break must fail the capture (`CAPTURE_FAILURES`), not split the stack silently (inside a
         # layer's checkpoint, dynamo would run that checkpoint eagerly instead). dynamic=None: automatic dynamic
         # shapes, only what changes between calls made dynamic (dynamic=True makes every size symbolic, and a size
