@@ -1,8 +1,9 @@
-"""`compile_backbone="stack"`: a packed forward's decoder layers run as one compiled call on static shapes (Inductor
-on the CPU here), float32, the packed rows on fixed capacities. The step equals TRL's on eager layers (every loss
+"""`compile_backbone="stack"`: a packed forward's decoder layers run as a few compiled calls (Inductor on the CPU
+here), float32, the packed rows on fixed capacities. The step equals TRL's on eager layers (every loss
 type, checkpointing reentrant, non-reentrant and off, skip modes, shared prompts) and `train()` equals
 GRPOTrainer's (a LoRA adapter too); frozen embeddings train the first layer right; 50 micro-batches of random
-lengths compile no more stacks than the kinds of call they make; models whose layers cannot run as one stack
+lengths compile a few stacks per kind of call they make, groups of layers share them, a group holds its own
+gradients only; models whose layers cannot run as one stack
 (different masks, a layer frozen alone) are refused with the reason."""
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     compile_backbone, padding_free and packed_attention "auto": compiled layers, packed on varlen FlashAttention),
     prompts of 4 and 60 tokens in each micro-batch (left padding that packing removes); and with
     `compile_backbone="graphs"` (the layers replayed as CUDA graphs: Inductor skipped none) and "stack" (a packed
-    forward's layers as one compiled call: it ran)."""
+    forward's layers as a few compiled calls: it ran)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as one compiled call on
-fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
+"""On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as a few compiled calls
+on fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
 GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run; and
 `trainer.train()` runs 3 optimizer steps on it at the 0.5B shape."""
 

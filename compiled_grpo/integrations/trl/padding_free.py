@@ -233,7 +233,7 @@ def packing_fails(forward, ids: torch.Tensor, lengths: Lengths, shapes=1) -> str
 def packed_ids_forward(model, lm_head, attention: str | None, stack=None):
     """forward(PackedRows) -> (final hidden states [N, H], the model's outputs), the head projecting one position;
     its layers attend with `attention` (None: the model's own), by the forward's own arguments (`packed_attention`),
-    run as one compiled call where `stack` (`compiled_stack.Stack`) is given."""
+    run as a few compiled calls where `stack` (`compiled_stack.Stack`) is given."""
 
     config = transformers_config(model)
     layers = stack.running if stack is not None else contextlib.nullcontext

@@ -13,9 +13,9 @@ compiling fails at a layer's first call, the layers run eagerly again and the re
 (`BackboneNotice`). `compile_backbone="graphs"` also replays each compiled layer as CUDA graphs (Inductor's
 `reduce-overhead`), a graph per shape, the packed rows padded to a few fixed capacities (`packing.Shapes`) so that
 the shapes are few: the host then launches one graph per layer call instead of its kernels.
-`compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as one compiled call on
-those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why and compiles them
-by region alone).
+`compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as a few compiled calls
+(groups of layers) on those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why
+and compiles them by region alone).
 `compile_backbone="auto"` (the default) compiles on a GPU where no engine shards the parameters
 (measured on an H200, Qwen2.5 shapes, checkpointed optimizer steps: 1.3-2x faster steps at 0.5B-7B, docs/
 performance.md); ZeRO-3 and FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real model's
@@ -74,8 +74,8 @@ def pick_graphs_in_compile_order() -> None:
 
 
 def stack_layers(trainer, models: list) -> None:
-    """Each model's layers set up to run a packed forward as one compiled call (`compiled_stack.Stack`), where they
-    can (said where not); `trainer.backbone_stacks`, by the model's id."""
+    """Each model's layers set up to run a packed forward as a few compiled calls (`compiled_stack.Stack`), where
+    they can (said where not); `trainer.backbone_stacks`, by the model's id."""
     mode = getattr(trainer, "padding_free_mode", None)
     why_not = "an engine shards the parameters" if trainer.shards_parameters else None
     if mode != "pack":
