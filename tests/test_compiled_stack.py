@@ -208,8 +208,8 @@ def test_trimmed_micro_batches_are_refused(tmp_path):
 
 
 def test_a_stack_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monkeypatch):
-    """The stack's compiled function failing at its first call (a backend that raises): said once with the reason,
-    the layers eager again, and the step TRL's."""
+    """The stack's compiled function failing at its first call, on dynamic shapes and static ones alike (a backend
+    that raises): said once with the reason, the layers eager again, and the step TRL's."""
 
     def failing_backend(graph, example_inputs):
         raise RuntimeError("this backend cannot compile the stack")
@@ -219,7 +219,7 @@ def test_a_stack_that_fails_to_compile_runs_eagerly_and_says_why(tmp_path, monke
     theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
     with stacked(trainer, must_run=False) as calls:
         for stack in trainer.backbone_stacks.values():
-            stack.compiled = torch.compile(compiled_stack.through_layers, backend=failing_backend, dynamic=False)
+            stack.compiled = stack.static = torch.compile(compiled_stack.through_layers, backend=failing_backend)
         with pytest.warns(regional_compile.BackboneNotice, match="cannot compile the stack.*run eagerly from here"):
             ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
     assert calls and trainer.backbone_stacks == {} and not regional_compile.compiled(trainer.backbone_layers)
