@@ -270,7 +270,7 @@ def forward(trainer, model, padded, model_inputs: dict, lengths: Lengths | None,
     stack = regional_compile.stack_of(trainer, model)
     rows_forward = packed_ids_forward(model, lm_head, trainer.packed_attention, stack)
     ids = model_inputs["input_ids"]
-    check_forward = packed_ids_forward(model, lm_head, trainer.packed_attention, None)  # layer by layer, no stack
+    check_forward = rows_forward if stack is None else packed_ids_forward(model, lm_head, trainer.packed_attention)
     packed = lengths is not None and packs(trainer, check_forward, ids, lengths)
     if lengths is not None and model.training:
         log_real_tokens(trainer, lengths, packed)
