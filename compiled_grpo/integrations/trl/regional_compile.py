@@ -16,10 +16,11 @@ the shapes are few: the host then launches one graph per layer call instead of i
 `compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as a few compiled calls
 (groups of layers) on those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why
 and compiles them by region alone).
-`compile_backbone="auto"` (the default) compiles on a GPU where no engine shards the parameters
-(measured on an H200, Qwen2.5 shapes, checkpointed optimizer steps: 1.3-2x faster steps at 0.5B-7B, docs/
-performance.md); ZeRO-3 and FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real model's
-layers take minutes to compile there).
+`compile_backbone="auto"` (the default) runs the stack on a GPU where no engine shards the parameters (by region
+under DeepSpeed ZeRO-2, and where the step is not packed; measured on an H100, Qwen2.5 shapes, checkpointed
+optimizer steps: the stack 2.7x GRPOTrainer's step at 1.5B against 2.1x by region, docs/performance.md); ZeRO-3 and
+FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real model's layers take minutes to compile
+there).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def stack_layers(trainer, models: list) -> None:
         layers = repeated_layers(model)
         why_not = why_not or compiled_stack.check(model, layers)
         if why_not:
-            say(f"compile_backbone='stack': {why_not}; the layers are compiled by region alone")
+            asked = getattr(trainer, "backbone_asked", "stack")
+            say(f"compile_backbone={asked!r}: no stack of layers ({why_not}); the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
         trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say)
@@ -121,13 +123,24 @@ def check_mode(compile_backbone) -> None:
 def configure(trainer, compile_backbone) -> None:
     """The trainer's choice (`effective_mode`; `check_mode` checked it before), nothing compiled yet
     (`compile_trainer_backbone` does it)."""
-    trainer.compile_backbone = effective_mode(compile_backbone, trainer.accelerator.device, trainer.shards_parameters)
+    deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+    trainer.backbone_asked = compile_backbone
+    trainer.compile_backbone = effective_mode(
+        compile_backbone, trainer.accelerator.device, trainer.shards_parameters, deepspeed
+    )
     trainer.backbone_layers, trainer.backbone_timed, trainer.backbone_stacks = None, False, {}
 
 
-def effective_mode(mode, device: torch.device, shards_parameters: bool) -> bool:
-    """`mode` as a bool: "auto" compiles on a GPU where no engine (ZeRO-3, FSDP) shards the parameters."""
-    return mode if mode != "auto" else device.type == "cuda" and not shards_parameters
+def effective_mode(mode, device: torch.device, shards_parameters: bool, deepspeed: bool = False):
+    """What "auto" means here: on a GPU where no engine (ZeRO-3, FSDP) shards the parameters, the stack (`"stack"`:
+    the fewest compiled calls, measured fastest at 1.5B, docs/performance.md; where the step is not packed it
+    compiles by region alone), by region under DeepSpeed (ZeRO-2: the stack is not measured under its gradient
+    hooks); nothing elsewhere."""
+    if mode != "auto":
+        return mode
+    if device.type != "cuda" or shards_parameters:
+        return False
+    return True if deepspeed else "stack"
 
 
 def compile_trainer_backbone(trainer) -> None:
