@@ -34,7 +34,7 @@ pytestmark = pytest.mark.compiled
 def stacked(trainer, must_run=True):
     """The trainer's layers set up as `compile_backbone="stack"` sets them up inside the block; with `must_run`, the
     stack must have run in it (counted), so a run on layers called one by one cannot pass for it."""
-    trainer.compile_backbone, trainer.backbone_layers = "stack", None
+    trainer.compile_backbone, trainer.backbone_asked, trainer.backbone_layers = "stack", "stack", None
     regional_compile.compile_trainer_backbone(trainer)
     calls = []  # (tokens, with grad, keywords) of each call
     record = lambda hidden, kwargs: calls.append((hidden.shape[-2], torch.is_grad_enabled(), tuple(sorted(kwargs))))  # noqa: E731

@@ -86,7 +86,7 @@ def stack_layers(trainer, models: list) -> None:
         why_not = why_not or compiled_stack.check(model, layers)
         if why_not:
             asked = getattr(trainer, "backbone_asked", "stack")
-            say(f"compile_backbone={asked!r}: no stack of layers ({why_not}); the layers are compiled by region alone")
+            say(f"compile_backbone={asked!r}: {why_not}; the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
         trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say)
