@@ -85,8 +85,7 @@ def stack_layers(trainer, models: list) -> None:
         layers = repeated_layers(model)
         why_not = why_not or compiled_stack.check(model, layers)
         if why_not:
-            asked = getattr(trainer, "backbone_asked", "stack")
-            say(f"compile_backbone={asked!r}: {why_not}; the layers are compiled by region alone")
+            say(f"compile_backbone={trainer.backbone_asked!r}: {why_not}; the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
         trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say)
