@@ -116,7 +116,7 @@ VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest com
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
     "grpo-wait": (WaitingGRPOTrainer, None),
-    "auto": (CompiledGRPOTrainer, {}),  # captured calls on a GPU (the trainer's default)
+    "auto": (CompiledGRPOTrainer, {}),  # the trainer's defaults (on a GPU: the grouped compiled stack)
     "uncaptured": (CompiledGRPOTrainer, {"loss_options": {"capture": False}}),
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
@@ -208,7 +208,7 @@ HEADLINE = {"batches": "dense,both,tail,tail-half0", "sizes": "8", "generation":
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
-    "auto": "CompiledGRPOTrainer auto (default: captured calls on a GPU)",
+    "auto": "CompiledGRPOTrainer (defaults: the grouped compiled stack on a GPU)",
     "uncaptured": "CompiledGRPOTrainer auto, uncaptured",
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
