@@ -235,6 +235,27 @@ def test_a_loop_that_changes_the_hidden_states_between_layers_is_refused():
         assert torch.equal(layers[1](layers[0](x)), layers[1].forward(layers[0].forward(x)))
 
 
+def test_auto_falls_back_to_regional_layers_where_the_stack_refuses_the_model(tmp_path, monkeypatch):
+    """Under "auto", a model that the stack finds it cannot run as it runs (here the check between two layers
+    refusing it) trains on its layers compiled by region from then on, said once, the step TRL's."""
+
+    def refuse(self, hidden, kwargs):
+        raise compiled_stack.Refused("a loop the stack cannot follow")
+
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    inputs = with_logps(trainer, varied_batch(), 0.0)
+    theirs = loss_and_grads(trl_loss(trainer), trainer, inputs)
+    monkeypatch.setattr(compiled_stack.Stack, "check_handed_on", refuse)
+    with stacked(trainer) as calls:
+        trainer.backbone_asked = "auto"
+        said = "compile_backbone='auto': a loop the stack cannot follow; the layers are compiled by region alone"
+        with pytest.warns(regional_compile.BackboneNotice, match=said):
+            ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
+        assert trainer.backbone_stacks == {} and regional_compile.compiled(trainer.backbone_layers)
+    assert len(calls) == 1  # the refused forward's only
+    assert_same((*ours[:2], {k: v for k, v in ours[2].items() if not k.startswith("shared_prompts/")}), theirs)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch, attention):  # noqa: F811
     """`train()` (gradient checkpointing on, which TRL switches off and on around each generation) on the stack; on

@@ -26,8 +26,9 @@ a group's first layer's call runs the group (the rest of the loop handing its hi
 the layers' own checkpointing is switched off for that forward (the compiled function checkpoints each layer with the
 same settings instead). Every layer must be called with the first one's arguments (one mask for all: models whose
 layers attend differently, e.g. sliding-window layers, are refused at `check`), and nothing may run between two
-layers; both are checked at every call. Only the layers' loop is compiled: an op after the last nested region in
-the same compiled graph gave wrong parameter gradients (torch 2.13.0, CPU), so the final norm stays outside.
+layers; both are checked at every call (`Refused`: where "auto" chose the stack, the trainer compiles the layers by
+region alone from then on). Only the layers' loop is compiled: an op after the last nested region in the same
+compiled graph gave wrong parameter gradients (torch 2.13.0, CPU), so the final norm stays outside.
 
 A nested region must be captured whole, and its inputs may not alias one another (the packed attention's
 boundaries are tensors of their own for that). Where dynamo cannot capture a call (a graph break inside a layer's
@@ -88,6 +89,15 @@ def through_layers(layers, hidden: torch.Tensor, kwargs: dict, checkpoint: dict 
             out = _nested_checkpointed(layer, hidden, kwargs, checkpoint)
         hidden = out[0] if isinstance(out, tuple) else out
     return out
+
+
+class Refused(RuntimeError):
+    """The stack cannot run this model's layers, found as they run (`reason`): where "auto" chose the stack the
+    trainer compiles the layers by region alone from then on, else this is raised."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"compile_backbone='stack': {reason}; choose compile_backbone=True for this model")
+        self.reason = reason
 
 
 def capture_failure(error: Exception) -> str:
@@ -156,7 +166,7 @@ class Stack:
         if torch.is_grad_enabled():  # every layer's call alike, as their shared nested region needs
             why_not = differently_trained(self.layers)
             if why_not:
-                raise RuntimeError(f"compile_backbone='stack': {why_not}; choose compile_backbone=True")
+                raise Refused(why_not)
             if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
                 hidden = hidden.detach().requires_grad_()
         try:
@@ -201,12 +211,10 @@ class Stack:
     def check_handed_on(self, hidden, kwargs: dict) -> None:
         """That the loop hands a layer the last group's output, with the arguments the group was called with."""
         if hidden is not self.final:
-            raise RuntimeError("compile_backbone='stack': the model changed the hidden states between two decoder "
-                               "layers; choose compile_backbone=True for this model")  # fmt: skip
+            raise Refused("the model changed the hidden states between two decoder layers")
         same = kwargs.keys() == self.kwargs.keys() and all(kwargs[k] is self.kwargs[k] for k in kwargs)
         if not same:
-            raise RuntimeError("compile_backbone='stack': the model calls its decoder layers with different arguments "
-                               "(per-layer masks?); choose compile_backbone=True for this model")  # fmt: skip
+            raise Refused("the model calls its decoder layers with different arguments (per-layer masks?)")
 
 
 def layers_per_call(layers: list[torch.nn.Module]) -> int:

@@ -179,7 +179,9 @@ def eager_layers(trainer):
 
 def forward_or_fall_back(trainer, forward):
     """`forward()`, and where a compiled layer fails to compile in it (its backward included:
-    `backward_compiled_with_forward`), the layers eager again (said once, with the reason) and `forward()` once more.
+    `backward_compiled_with_forward`), the layers eager again (said once, with the reason) and `forward()` once more;
+    where the stack finds as it runs that it cannot run the model's layers (`compiled_stack.Refused`) and "auto" chose
+    it, the layers on their regional calls from then on (said once), else the refusal raised.
     The first compiled forward's time (mostly compiling) is said once."""
     layers = getattr(trainer, "backbone_layers", None) or []
     if not compiled(layers):
@@ -188,6 +190,13 @@ def forward_or_fall_back(trainer, forward):
     try:
         with backward_compiled_with_forward():
             result = forward()
+    except compiled_stack.Refused as refused:
+        if trainer.backbone_asked == "stack":
+            raise
+        trainer.backbone_stacks = {}
+        say(f"compile_backbone={trainer.backbone_asked!r}: {refused.reason}; the layers are compiled by region alone "
+            "from here")  # fmt: skip
+        return forward()
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
             torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.InternalTorchDynamoError) as error:  # fmt: skip
         uncompile(layers)
