@@ -122,12 +122,15 @@ def fixed_shapes_against_trl(tmp_path, reentrant: bool):
 
 
 def test_packed_step_on_graphed_layers_equals_trl_on_the_gpu(tmp_path):
-    """Layers replayed as CUDA graphs (`compile_backbone="graphs"`) on fixed shapes, checkpointed, varlen: three
-    steps (record, replay, replay) each equal GRPOTrainer's padded step on eager layers to bf16 rounding."""
+    """Layers replayed as CUDA graphs (`compile_backbone="graphs"`, compiled as the trainer compiles them, so that its
+    first-use checks run on the eager layers) on fixed shapes, checkpointed, varlen: three steps (record, replay,
+    replay) each equal GRPOTrainer's padded step on eager layers to bf16 rounding."""
     from torch._dynamo.utils import counters
 
     trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant=False)
-    regional_compile.compile_layers(trainer.model, graphs=True)
+    trainer.compile_backbone, trainer.backbone_layers = "graphs", None
+    regional_compile.compile_trainer_backbone(trainer)
+    assert regional_compile.compiled(trainer.backbone_layers)
     skips = counters["inductor"]["cudagraph_skips"]
     for _ in range(3):
         with trainer.accelerator.autocast():
