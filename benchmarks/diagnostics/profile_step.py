@@ -114,8 +114,9 @@ def profile_method(step, model, steps: int, reset, warmups: int = 2) -> dict:
 
 
 def python_profile(step, steps: int, reset) -> str:
-    """The host's time in `steps` steps (already warm) by Python function (cProfile), sorted by cumulative time:
-    where the host time of a host-bound step goes, the waits on the GPU included (as time in the call that waits)."""
+    """The host's time in `steps` steps (already warm) by Python function (cProfile), sorted by cumulative time, then
+    by each function's own time: where the host time of a host-bound step goes, the waits on the GPU included (as
+    time in the call that waits)."""
     import cProfile
     import io
     import pstats
@@ -130,6 +131,8 @@ def python_profile(step, steps: int, reset) -> str:
     text = io.StringIO()
     text.write(f"{steps} steps; cumulative seconds over all of them\n")
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(80)
+    text.write("\nThe same, by each function's own time (its callees' excluded): where the host's time is spent\n")
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(50)
     return text.getvalue()
 
 
