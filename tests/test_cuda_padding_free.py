@@ -36,6 +36,15 @@ from compiled_grpo.integrations.trl import (
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
+@pytest.fixture
+def fresh_compiler():
+    """Dynamo's caches and Inductor's CUDA-graph trees as a new process has them: a test that compiles decoder layers
+    meets neither the graphs nor the recompile limit that earlier tests' layers (the same code) left."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def model_on_gpu(attention: str):
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -68,6 +77,7 @@ def test_packed_step_equals_trl_on_the_gpu(tmp_path, attention, model_attention,
     packed_step_equals_trl(tmp_path, attention, model_attention, checkpointing)
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("attention", ["varlen", "sdpa"])
 def test_packed_step_on_compiled_layers_equals_trl_on_the_gpu(tmp_path, attention):
     """The packed step on decoder layers compiled by region (checkpointed as train() does) equals GRPOTrainer's on
@@ -121,6 +131,7 @@ def fixed_shapes_against_trl(tmp_path, reentrant: bool):
     return trainer, inputs, theirs
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 def test_packed_step_on_graphed_layers_equals_trl_on_the_gpu(tmp_path):
     """Layers replayed as CUDA graphs (`compile_backbone="graphs"`, compiled as the trainer compiles them, so that its
     first-use checks run on the eager layers) on fixed shapes, checkpointed, varlen: three steps (record, replay,
@@ -178,6 +189,7 @@ def word_tokenizer(size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("shape, backbone", [("0.5B", "auto"), ("7B", "auto"), ("0.5B", "graphs"), ("0.5B", "stack")])
 def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing;
@@ -207,7 +219,8 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     # every kind of call (with grad, without, sharing prompts or not) captured whole: none ran layer by layer
     layer_by_layer = [stack.one_by_one for stack in trainer.backbone_stacks.values() if stack.one_by_one]
     assert not layer_by_layer, layer_by_layer
-    assert trainer.packed_shapes.fixed == (backbone in ("graphs", "stack"))
+    assert trainer.compile_backbone == {"auto": "stack"}.get(backbone, backbone)  # "auto" on a GPU: the stack
+    assert trainer.packed_shapes.fixed
     assert trainer.model.is_gradient_checkpointing
     assert trainer.compile_backbone and regional_compile.compiled(trainer.backbone_layers)
     assert trainer.packed_attention == "varlen"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cuda_padding_free import gpu_trainer, model_on_gpu
+from test_cuda_padding_free import fresh_compiler, gpu_trainer, model_on_gpu  # noqa: F401
 from test_integration_trl import loss_and_grads
 from test_shared_prompts import B, C, grouped_batch, lengths_of
 from trl import GRPOTrainer
@@ -25,6 +25,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-layers", "compiled-layers"])
 @pytest.mark.parametrize("attention", ["varlen", "sdpa", "flex_attention"])
 @pytest.mark.parametrize("G", [2, 8])
@@ -59,6 +60,7 @@ def test_shared_rows_equal_rows_packed_apart_on_the_gpu(attention, compiled, G):
         assert relative(shared_grads[name], grad) <= 3e-2, name
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-layers", "compiled-layers"])
 def test_shared_step_equals_trl_on_the_gpu(tmp_path, compiled):
     trainer = gpu_trainer(tmp_path, "varlen")

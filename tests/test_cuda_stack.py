@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_compiled_stack import stacked
-from test_cuda_padding_free import assert_loss_and_gradients_close, fixed_shapes_against_trl
+from test_cuda_padding_free import assert_loss_and_gradients_close, fixed_shapes_against_trl, fresh_compiler  # noqa: F401
 from test_integration_trl import loss_and_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, reentrant):
     trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant)

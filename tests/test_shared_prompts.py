@@ -135,6 +135,29 @@ def test_a_completion_that_sees_its_sibling_is_caught(monkeypatch):
     assert why is not None and "differ from the same rows packed apart" in why
 
 
+def test_the_check_under_autocast_bounds_by_16_bit_rounding(monkeypatch):
+    """A float32 model under bf16 autocast (TRL's `bf16=True` on float32 weights) computes its matmuls in bf16: the
+    check passes it (two packings differ by bf16 rounding, not by a float32 bound) and still catches a completion
+    that sees its sibling."""
+    model = tiny_qwen2()
+    inputs = grouped_batch(4)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    packed_forward = padding_free.packed_ids_forward(model, model.get_output_embeddings(), None)
+    dtypes = []
+
+    def forward(packed):
+        out = packed_forward(packed)
+        dtypes.append(out[0].dtype)
+        return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert shared_prompts.sharing_fails(forward, ids, 16) is None
+        assert set(dtypes) == {torch.float32}  # what the float32 bound was once chosen by
+        let_completions_see_their_siblings(monkeypatch)
+        why = shared_prompts.sharing_fails(forward, ids, 16)
+    assert why is not None and "> 3e-02" in why
+
+
 def trainer_for(tmp_path, share=True, skip="off", accumulation=2, **settings):
     model = tiny_qwen2()
     trainer = make_trainer(CompiledGRPOTrainer, tmp_path, model, skip=skip, **settings)
