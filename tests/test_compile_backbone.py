@@ -16,7 +16,7 @@ import torch
 import torch._dynamo.utils
 from test_integration_trl import loss_and_grads
 from test_padding_free import LOSS_TYPES, packed_calls, trainer_for, varied_batch, with_logps  # noqa: F401
-from test_skip_zero_advantage import assert_same, trl_loss
+from test_skip_zero_advantage import assert_same, tiny_qwen2, trl_loss
 from test_train_checkpointed import assert_steps_equal, grpo_trainer_run, packed_share, saved_tokens, tmp_root, train  # noqa: F401
 
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, packing, regional_compile
@@ -49,15 +49,29 @@ def test_train_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root, paddin
 
 def test_train_on_graphed_layers_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
     """`compile_backbone="graphs"`: the layers compiled with Inductor's CUDA graphs (on the CPU Inductor runs them
-    without), the packed rows on fixed shapes; `train()`'s steps are GRPOTrainer's."""
+    without), the packed rows on fixed shapes; `train()`'s steps are GRPOTrainer's. Without gradient checkpointing,
+    which it refuses."""
     with pytest.warns(regional_compile.BackboneNotice) as notices:
-        losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack",
-                                       packed_attention="sdpa", skip_zero_advantage=False,
+        losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, checkpointing=False,
+                                       padding_free="pack", packed_attention="sdpa", skip_zero_advantage=False,
                                        compile_backbone="graphs")  # fmt: skip
     assert any("replayed as CUDA graphs" in str(n.message) for n in notices)
     assert trainer.packed_shapes.fixed and regional_compile.compiled(trainer.backbone_layers)
     assert_steps_equal((losses, grads), grpo_trainer_run("eager", False, tmp_root))
     assert packed_share(trainer) > 0.5 and saved_tokens(trainer) > 0
+
+
+def test_graphed_layers_refuse_gradient_checkpointing(tmp_path):
+    """Asked in GRPOConfig, at construction; switched on by hand later, at the first step's compile."""
+    with pytest.raises(ValueError, match="'graphs' cannot run gradient-checkpointed layers"):
+        train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack", compile_backbone="graphs")
+    unwrapped = types.SimpleNamespace(unwrap_model=lambda model: model)
+    trainer = types.SimpleNamespace(compile_backbone="graphs", backbone_layers=None, model=tiny_qwen2().train(),
+                                    ref_model=None, accelerator=unwrapped)  # fmt: skip
+    trainer.model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="'graphs' cannot run gradient-checkpointed layers"):
+        regional_compile.compile_trainer_backbone(trainer)
+    assert trainer.backbone_layers is None
 
 
 def test_train_a_lora_adapter_on_compiled_layers_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811

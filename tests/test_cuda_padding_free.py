@@ -119,11 +119,12 @@ def assert_loss_and_gradients_close(ours, theirs) -> None:
     assert_each_gradient_close(ours, theirs)
 
 
-def fixed_shapes_against_trl(tmp_path, reentrant: bool):
-    """(a varlen trainer checkpointed as `reentrant` says, its packed rows on fixed shapes; a micro-batch on the GPU;
-    GRPOTrainer's padded step on it on eager layers: loss, gradients, metrics)."""
+def fixed_shapes_against_trl(tmp_path, reentrant: bool | None):
+    """(a varlen trainer checkpointed as `reentrant` says (None: not checkpointed), its packed rows on fixed shapes; a
+    micro-batch on the GPU; GRPOTrainer's padded step on it on eager layers: loss, gradients, metrics)."""
     trainer = gpu_trainer(tmp_path, "varlen")
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant is not None:
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in varied_batch().items()}
     with trainer.accelerator.autocast():
         theirs = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), trainer, inputs)
@@ -134,11 +135,11 @@ def fixed_shapes_against_trl(tmp_path, reentrant: bool):
 @pytest.mark.usefixtures("fresh_compiler")
 def test_packed_step_on_graphed_layers_equals_trl_on_the_gpu(tmp_path):
     """Layers replayed as CUDA graphs (`compile_backbone="graphs"`, compiled as the trainer compiles them, so that its
-    first-use checks run on the eager layers) on fixed shapes, checkpointed, varlen: three steps (record, replay,
-    replay) each equal GRPOTrainer's padded step on eager layers to bf16 rounding."""
+    first-use checks run on the eager layers) on fixed shapes, not checkpointed (refused there), varlen: three steps
+    (record, replay, replay) each equal GRPOTrainer's padded step on eager layers to bf16 rounding."""
     from torch._dynamo.utils import counters
 
-    trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant=False)
+    trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant=None)
     trainer.compile_backbone, trainer.backbone_layers = "graphs", None
     regional_compile.compile_trainer_backbone(trainer)
     assert regional_compile.compiled(trainer.backbone_layers)
@@ -195,8 +196,8 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     """`trainer.train()`: 3 optimizer steps, every CompiledGRPOTrainer default (GRPOConfig's gradient checkpointing;
     compile_backbone, padding_free and packed_attention "auto": compiled layers, packed on varlen FlashAttention),
     prompts of 4 and 60 tokens in each micro-batch (left padding that packing removes); and with
-    `compile_backbone="graphs"` (the layers replayed as CUDA graphs: Inductor skipped none) and "stack" (a packed
-    forward's layers as a few compiled calls: it ran)."""
+    `compile_backbone="graphs"` (the layers replayed as CUDA graphs: Inductor skipped none; not checkpointed) and
+    "stack" (a packed forward's layers as a few compiled calls: it ran)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -207,7 +208,8 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     data = Dataset.from_dict({"prompt": [words(4, 10), words(60, 100)] * 8})
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=32, gradient_accumulation_steps=2, max_steps=3, bf16=True,
-                      logging_steps=1, report_to=[], save_strategy="no")  # fmt: skip
+                      logging_steps=1, report_to=[], save_strategy="no",
+                      gradient_checkpointing=backbone != "graphs")  # fmt: skip
     trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
                                   completions], args=args, train_dataset=data, processing_class=word_tokenizer(
                                   QWEN_VOCAB), compile_backbone=backbone)  # fmt: skip
@@ -221,7 +223,7 @@ def test_train_with_every_default_at_qwen_shapes(tmp_path, shape, backbone):
     assert not layer_by_layer, layer_by_layer
     assert trainer.compile_backbone == {"auto": "stack"}.get(backbone, backbone)  # "auto" on a GPU: the stack
     assert trainer.packed_shapes.fixed
-    assert trainer.model.is_gradient_checkpointing
+    assert trainer.model.is_gradient_checkpointing == (backbone != "graphs")  # "graphs" refuses checkpointing
     assert trainer.compile_backbone and regional_compile.compiled(trainer.backbone_layers)
     assert trainer.packed_attention == "varlen"
     logged = [e for e in trainer.state.log_history if "loss" in e and "padding_free/packed_fraction" in e]

@@ -46,15 +46,15 @@ def lora():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def train(tmp_path, cls, attention: str, reentrant: bool, adapter: bool = False, **options):
+def train(tmp_path, cls, attention: str, reentrant: bool, adapter: bool = False, checkpointing=True, **options):
     """(each step's logged loss, each step's gradients, the trainer) of `STEPS` optimizer steps of `train()` on a tiny
-    float32 Qwen2 created with `attention`, checkpointing as GRPOConfig turns it on."""
+    float32 Qwen2 created with `attention`, checkpointing as GRPOConfig turns it on (`checkpointing`: or off)."""
     model = tiny_qwen2(tie=False)
     model.set_attn_implementation(attention)
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2, optim="sgd", logging_steps=1, seed=0,
-        report_to=[], use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=True,
+        report_to=[], use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": reentrant},
     )  # fmt: skip
     data = Dataset.from_dict({"prompt": PROMPTS * 8})
@@ -66,7 +66,7 @@ def train(tmp_path, cls, attention: str, reentrant: bool, adapter: bool = False,
     grads = GradientsPerStep()
     trainer.add_callback(grads)
     trainer.train()
-    assert trainer.model.is_gradient_checkpointing
+    assert trainer.model.is_gradient_checkpointing == checkpointing
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return losses, grads.steps, trainer
 

@@ -12,7 +12,9 @@ units, DDP), the policy's layers and the reference model's; the first compiled f
 compiling fails at a layer's first call, the layers run eagerly again and the reason is said once
 (`BackboneNotice`). `compile_backbone="graphs"` also replays each compiled layer as CUDA graphs (Inductor's
 `reduce-overhead`), a graph per shape, the packed rows padded to a few fixed capacities (`packing.Shapes`) so that
-the shapes are few: the host then launches one graph per layer call instead of its kernels.
+the shapes are few: the host then launches one graph per layer call instead of its kernels. Not under gradient
+checkpointing, which it refuses (`graphs_refused`): on an H100 (torch 2.11) the recomputation in the backward read a
+layer's output that a later replay of Inductor's CUDA-graph trees had overwritten.
 `compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as a few compiled calls
 (groups of layers) on those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why
 and compiles them by region alone).
@@ -123,11 +125,25 @@ def configure(trainer, compile_backbone) -> None:
     """The trainer's choice (`effective_mode`; `check_mode` checked it before), nothing compiled yet
     (`compile_trainer_backbone` does it)."""
     deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+    if compile_backbone == "graphs" and checkpointing_asked(trainer.args):
+        raise ValueError(graphs_refused())
     trainer.backbone_asked = compile_backbone
     trainer.compile_backbone = effective_mode(
         compile_backbone, trainer.accelerator.device, trainer.shards_parameters, deepspeed
     )
     trainer.backbone_layers, trainer.backbone_timed, trainer.backbone_stacks = None, False, {}
+
+
+def graphs_refused() -> str:
+    return ("compile_backbone='graphs' cannot run gradient-checkpointed layers: the recomputation in the backward "
+            "reads layer outputs that later CUDA-graph replays overwrite; choose compile_backbone='auto' (the stack) "
+            "or turn gradient_checkpointing off")  # fmt: skip
+
+
+def checkpointing_asked(args) -> bool:
+    """Whether the trainer's arguments turn gradient checkpointing on (its name in transformers >= 5.20 first)."""
+    asked = getattr(args, "activation_checkpointing", None)
+    return bool(getattr(args, "gradient_checkpointing", False) if asked is None else asked)
 
 
 def effective_mode(mode, device: torch.device, shards_parameters: bool, deepspeed: bool = False):
@@ -151,6 +167,8 @@ def compile_trainer_backbone(trainer) -> None:
     if getattr(trainer, "ref_model", None) is not None:
         models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
     graphs = trainer.compile_backbone == "graphs"
+    if graphs and any(getattr(model, "is_gradient_checkpointing", False) for model in models):
+        raise ValueError(graphs_refused())
     trainer.backbone_layers = [layer for model in models for layer in compile_layers(model, graphs)]
     if not trainer.backbone_layers:
         say("compile_backbone: no repeated layers found in the model; its forwards run eagerly")
