@@ -171,7 +171,8 @@ TRAINERS = {  # name: (trainer, its options)
         CompiledGRPOTrainer,
         {"padding_free": "pack", "packed_attention": "varlen", "compile_backbone": True},
     ),  # fmt: skip
-    # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities
+    # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities (it refuses gradient
+    # checkpointing: run it with --no-gradient-checkpointing)
     "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
     # the default's packed forwards through the layers as a few compiled calls (`compiled_stack`: groups of layers)
     "stack": (CompiledGRPOTrainer, {"compile_backbone": "stack"}),
