@@ -47,7 +47,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks import plots
 from benchmarks.timing import busy_ms, run_date
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, plan, regional_compile, settle
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, plan, regional_compile, settle
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -199,6 +199,8 @@ TRAINERS = {  # name: (trainer, its options)
     # trainer rounds up to `packed_bucket`); a warm-up that fails is reported in the row, a later failure ends the
     # run, so it runs in a process of its own
     "auto-cudagraphs": (CompiledGRPOTrainer, {"inductor": {"triton.cudagraphs": True}}),
+    # the default's stack alone replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`; the head as it is)
+    "stack-graphs": (CompiledGRPOTrainer, {"stack_graphs": True}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS, "generation": 0}
@@ -250,6 +252,7 @@ LABELS = {
     "auto-fp32": "CompiledGRPOTrainer auto, cast_lm_head_to_fp32=True",
     "auto-cpp-wrapper": "CompiledGRPOTrainer auto, layers compiled with Inductor's C++ wrapper",
     "auto-cudagraphs": "CompiledGRPOTrainer auto, layers compiled as CUDA graphs",
+    "stack-graphs": "CompiledGRPOTrainer auto, its stack's calls replayed as CUDA graphs",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
@@ -268,6 +271,7 @@ def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion
     config = options.pop("config", {})
     options.pop("compiled_layers", None)  # applied around the row's steps (`with_own_layer_calls`)
     options.pop("inductor", None)  # likewise (`with_inductor_config`)
+    options.pop("stack_graphs", None)  # likewise (`with_stack_graphs`)
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
@@ -521,6 +525,20 @@ def with_inductor_config(step, options: dict):
     return run
 
 
+def with_stack_graphs(step):
+    """`step` with `compiled_stack.CUDA_GRAPHS` on while it runs: the stack the trainer builds at its first step
+    replays its calls as CUDA graphs; as it was after it."""
+
+    def run():
+        before, compiled_stack.CUDA_GRAPHS = compiled_stack.CUDA_GRAPHS, True
+        try:
+            step()
+        finally:
+            compiled_stack.CUDA_GRAPHS = before
+
+    return run
+
+
 def with_liger_kernels(model, config: dict, step):
     """`step` on the model with Liger's kernels patched in as `trainer.train()` patches them (its RMSNorm, SwiGLU and
     RoPE, into the model's modules and its modeling file; `_apply_liger_kernel_to_instance`), and the model as it
@@ -688,6 +706,8 @@ def row_steps(model, steps: dict, trainers: dict) -> dict:
                   for name, t in trainers.items() if t.args.use_liger_kernel})  # fmt: skip
     steps.update({name: with_inductor_config(steps[name], inductor_options(name))
                   for name in trainers if inductor_options(name)})  # fmt: skip
+    steps.update({name: with_stack_graphs(steps[name])
+                  for name in trainers if (TRAINERS[name][1] or {}).get("stack_graphs")})  # fmt: skip
     return {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
 
 

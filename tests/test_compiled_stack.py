@@ -293,6 +293,16 @@ def test_a_model_that_runs_fewer_layers_than_it_holds_is_refused(tmp_path):
     assert_refused(trainer, "runs 1 of its 2 layers")
 
 
+def test_the_stack_built_to_replay_cuda_graphs_equals_trl(tmp_path, monkeypatch):
+    """`compiled_stack.CUDA_GRAPHS` (Inductor's CUDA-graph trees around the stack's calls; on the CPU Inductor
+    records none): the stack compiles with it, checkpointed, and the step equals TRL's."""
+    monkeypatch.setattr(compiled_stack, "CUDA_GRAPHS", True)
+    trainer = fixed_trainer(tmp_path, loss_type="grpo")
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer.model.enable_input_require_grads()
+    stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0))
+
+
 def test_a_layer_frozen_alone_is_refused(tmp_path):
     """Layers whose parameters require grad differently (one frozen) would share a nested region's backward that
     fits only some of them (wrong gradients in torch 2.13): refused at the first step, compiled by region alone."""

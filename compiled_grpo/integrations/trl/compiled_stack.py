@@ -56,6 +56,10 @@ COMPILE_FAILURES = (torch._dynamo.exc.InternalTorchDynamoError, torch._dynamo.ex
 # The gradients one compiled call may hold at once (`layers_per_call`): 4 of Qwen2.5-1.5B's layers in bf16 (372 MB),
 # 12 of 0.5B's, one of 7B's.
 GRADIENTS_PER_CALL = 512 * 2**20
+# Whether a stack built from here on replays its compiled calls as CUDA graphs (Inductor's CUDA-graph trees, a
+# recording per shape; the checkpointing is inside the compiled graph, so its recomputation replays with the
+# backward): off, not yet measured; `benchmarks.trl_step --trainers stack-graphs` turns it on for its row.
+CUDA_GRAPHS = False
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
@@ -121,8 +125,9 @@ class Stack:
         # shapes, only what changes between calls made dynamic (dynamic=True makes every size symbolic, and a size
         # that the layer then specializes, e.g. the hidden size, broke dynamo's reuse of the nested region:
         # InternalTorchDynamoError KeyError, torch 2.13.0)
-        self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True)
-        self.static = torch.compile(through_layers, dynamic=False, fullgraph=True)  # where dynamic shapes fail
+        graphs = {"options": {"triton.cudagraphs": True}} if CUDA_GRAPHS else {}
+        self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True, **graphs)
+        self.static = torch.compile(through_layers, dynamic=False, fullgraph=True, **graphs)  # where dynamic fails
         self.kwargs, self.out, self.final, self.own = None, None, None, None
         self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
