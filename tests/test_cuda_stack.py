@@ -1,7 +1,7 @@
 """On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as a few compiled calls
 on fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
-GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run; and
-`trainer.train()` runs 3 optimizer steps on it at the 0.5B shape."""
+GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run, its calls
+compiled plainly or replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ from test_compiled_stack import stacked
 from test_cuda_padding_free import assert_loss_and_gradients_close, fixed_shapes_against_trl, fresh_compiler  # noqa: F401
 from test_integration_trl import loss_and_grads
 
+from compiled_grpo.integrations.trl import compiled_stack
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 @pytest.mark.usefixtures("fresh_compiler")
+@pytest.mark.parametrize("graphs", [False, True], ids=["compiled", "cuda-graphs"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, reentrant):
+def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, monkeypatch, reentrant, graphs):
+    monkeypatch.setattr(compiled_stack, "CUDA_GRAPHS", graphs)
     trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant)
     with stacked(trainer):
         for _ in range(3):
