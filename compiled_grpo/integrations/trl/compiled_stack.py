@@ -178,7 +178,7 @@ class Stack:
             if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
                 hidden = hidden.detach().requires_grad_()
         try:
-            with torch._dynamo.config.patch(**recompile_limit(self.RECOMPILE_LIMIT)):
+            with torch._dynamo.config.patch(**dynamo_settings(self.RECOMPILE_LIMIT)):
                 return self.compiled(group, hidden, kwargs, checkpoint)
         except COMPILE_FAILURES as error:
             if self.compiled is self.static:
@@ -247,6 +247,15 @@ def recompile_limit(limit: int) -> dict:
     """Dynamo's recompile limit at `limit` (its name in this torch)."""
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     return {name: limit}
+
+
+def dynamo_settings(limit: int) -> dict:
+    """Dynamo's settings while the stack compiles: its recompile limit at `limit`, and float arguments specialized
+    (constants of a model, e.g. attention's scale: traced as symbolic floats, the varlen attention op failed to
+    compile on dynamic lengths at Qwen2.5-7B's shapes, torch 2.11 on an H100, and the stack fell back to static
+    shapes)."""
+    floats = {"specialize_float": True} if hasattr(torch._dynamo.config, "specialize_float") else {}
+    return recompile_limit(limit) | floats
 
 
 def differently_trained(parameters: list[list[torch.nn.Parameter]]) -> str | None:
