@@ -50,7 +50,8 @@ import torch
 # that dynamo does not support.
 CAPTURE_FAILURES = (torch._dynamo.exc.UncapturedHigherOrderOpError, torch._dynamo.exc.Unsupported)
 # What compiling on dynamic lengths raised: torch 2.13.0 an internal KeyError where dynamo reuses a nested region on a
-# size the layer specializes, 2.14.1 Inductor's GuardOnDataDependentSymNode (with every size dynamic).
+# size the layer specializes (with every size dynamic); 2.14.1 Inductor's GuardOnDataDependentSymNode before float
+# arguments were specialized (`dynamo_settings`).
 COMPILE_FAILURES = (torch._dynamo.exc.InternalTorchDynamoError, torch._dynamo.exc.BackendCompilerFailed,
                     torch._dynamo.exc.TorchRuntimeError)  # fmt: skip
 # The gradients one compiled call may hold at once (`layers_per_call`): 4 of Qwen2.5-1.5B's layers in bf16 (372 MB),
