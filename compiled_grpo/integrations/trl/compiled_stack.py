@@ -121,6 +121,7 @@ class Stack:
         # at 1.5B (7 groups x 28 layers); their requires_grad is still read at every call
         self.parameters = [list(layer.parameters()) for layer in layers]
         self.per_call = layers_per_call(layers)
+        self.settings = dynamo_settings(self.RECOMPILE_LIMIT)  # the dynamo config every call of the stack runs under
         # fullgraph: a graph break must fail the capture (`CAPTURE_FAILURES`), not split the stack silently (inside a
         # layer's checkpoint, dynamo would run that checkpoint eagerly instead). dynamic=None: automatic dynamic
         # shapes, only what changes between calls made dynamic (dynamic=True makes every size symbolic, and a size
@@ -179,7 +180,7 @@ class Stack:
             if not hidden.requires_grad:  # (frozen embeddings) the first call like the others: see `check`
                 hidden = hidden.detach().requires_grad_()
         try:
-            with torch._dynamo.config.patch(**dynamo_settings(self.RECOMPILE_LIMIT)):
+            with torch._dynamo.config.patch(**self.settings):
                 return self.compiled(group, hidden, kwargs, checkpoint)
         except COMPILE_FAILURES as error:
             if self.compiled is self.static:
