@@ -760,6 +760,8 @@ def sweep(args) -> None:
                     row["replays"], row["pool_gib"] = captures.replays, captures.pool_bytes / 2**30
                     row["capture_stopped"], row["capture_failures"] = captures.stopped, captures.failures[:4]
                     row["pool_free_gib"] = pool_free_gib(captures) if on_gpu else None
+                if on_gpu:  # Inductor's CUDA graphs so far in this process (a row that should replay them reads it)
+                    row["inductor_graphs"], row["inductor_graph_skips"] = compiled_stack.cuda_graphs_recorded()
                 rows.append(with_footprint(with_measurement(row, measured)))
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "date": date, "rows": rows}, indent=1))

@@ -1,7 +1,7 @@
 """On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as a few compiled calls
 on fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
 GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run, its calls
-compiled plainly or replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`)."""
+compiled plainly or replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`: graphs recorded, none skipped)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, monkeypatch, reentrant, graphs):
     monkeypatch.setattr(compiled_stack, "CUDA_GRAPHS", graphs)
     trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant)
+    skipped = compiled_stack.cuda_graphs_recorded()[1]
     with stacked(trainer):
         for _ in range(3):
             with trainer.accelerator.autocast():
                 ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
             assert_loss_and_gradients_close(ours, theirs)
     assert trainer.packing_refused == "" and trainer.packed_attention == "varlen"
+    recorded, skips = compiled_stack.cuda_graphs_recorded(torch.cuda.current_device())
+    assert (recorded > 0, skips - skipped) == (graphs, 0), "the stack's calls were not replayed as CUDA graphs"

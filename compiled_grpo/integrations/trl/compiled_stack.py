@@ -63,6 +63,19 @@ GRADIENTS_PER_CALL = 512 * 2**20
 CUDA_GRAPHS = False
 
 
+def cuda_graphs_recorded(device_index: int = 0) -> tuple[int, int]:
+    """(graphs recorded on the device's CUDA-graph trees, calls Inductor ran without its graphs, for any reason):
+    Inductor says why it skips graphs only in its `cudagraphs` log, so a run that should replay reads these."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    pending, recorded = [n for ns in (manager.roots.values() if manager is not None else ()) for n in ns], 0
+    while pending:
+        recorded += 1
+        pending += [child for children in pending.pop().children.values() for child in children]
+    return recorded, torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
     """One layer's call with its hooks, bypassing its compiled call (which `running` points at the stack)."""
     return layer._call_impl(hidden, **kwargs)
