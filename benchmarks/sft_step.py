@@ -27,6 +27,7 @@ from trl import SFTConfig, SFTTrainer
 
 from benchmarks import plots, trl_step
 from benchmarks.timing import run_date
+from benchmarks.trl_step_rows import trl_head_after_a_wait
 from compiled_grpo.integrations.trl import compiled_fused_head
 
 METHODS = {  # name: the context the step runs in
@@ -35,7 +36,7 @@ METHODS = {  # name: the context the step runs in
     "captured": lambda: compiled_fused_head(capture=True),
     "rounded": lambda: compiled_fused_head(round_logits=True),  # TRL's own numerics: the product rounded to bf16
     # a diagnostic: TRL's head after a host wait for the device (what one wait where the head starts costs the step)
-    "trl-wait": trl_step.trl_head_after_a_wait,
+    "trl-wait": trl_head_after_a_wait,
 }
 
 

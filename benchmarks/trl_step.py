@@ -30,7 +30,6 @@ bound drawn as the floor line). `--model tiny` runs a small model on the CPU (a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.metadata as md
 import itertools
@@ -43,10 +42,20 @@ import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
-from benchmarks import plots
 from benchmarks.timing import busy_ms, run_date
+from benchmarks.trl_step_batches import (
+    BATCHES,
+    VARIED_LONGEST,
+    long_prompt_batch,
+    micro_batch,
+    micro_batches,
+    real_tokens,
+    with_tail,
+)
+from benchmarks.trl_step_report import report
+from benchmarks.trl_step_rows import BOUND, DEFAULT_TRAINERS, TRAINERS
 from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, plan, regional_compile, settle
 
 QWEN = {
@@ -60,201 +69,11 @@ QWEN = {
                  num_key_value_heads=2, tie_word_embeddings=True),
 }  # fmt: skip
 
-
-@contextlib.contextmanager
-def trl_head_after_a_wait():
-    """TRL's own fused head, its forward starting with a wait of the host for every kernel queued before it (as
-    the primitive's plan waits to count the positions with a target)."""
-    import trl.trainer.utils as trl_utils
-
-    previous = trl_utils._ChunkedLogProbFunction
-
-    class Waiting(previous):
-        @classmethod
-        def apply(cls, *args, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            return previous.apply(*args, **kwargs)
-
-    trl_utils._ChunkedLogProbFunction = Waiting
-    try:
-        yield
-    finally:
-        trl_utils._ChunkedLogProbFunction = previous
-
-
-class WaitingGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose fused head starts with a host wait for the GPU (a diagnostic: what one such wait, which
-    CompiledGRPOTrainer's plan makes, costs the step)."""
-
-    def _compute_loss(self, model, inputs):
-        with trl_head_after_a_wait():
-            return super()._compute_loss(model, inputs)
-
-
-# kind: (top_entropy_quantile, groups at advantage 0 of every four)
-BATCHES = {"dense": (1.0, 0), "q0.2": (0.2, 0), "half0": (1.0, 2), "zero75": (1.0, 3), "both": (0.2, 2),
-           "varied": (1.0, 0), "tail": (1.0, 0), "tail-half0": (1.0, 2), "longprompt": (1.0, 0)}  # fmt: skip
-# `longprompt` rows: groups of LONG_GROUP completions of one LONG_PROMPT-token prompt, `tail` completion lengths of at
-# most LONG_COMPLETION tokens (long system prompts, tool outputs: where a group's shared prompt is most of its tokens)
-LONG_PROMPT, LONG_COMPLETION, LONG_GROUP = 512, 256, 8
-# `tail` completion lengths: lognormal, median TAIL_MEDIAN x the completion length, sigma TAIL_SIGMA, clipped to
-# [TAIL_SHORTEST, completion length]; the batch's first row truncated at the completion length (so GRPOTrainer pads
-# every micro-batch to it)
-TAIL_MEDIAN, TAIL_SIGMA, TAIL_SHORTEST = 0.3, 0.6, 32
-TAIL_NOTE = (
-    f" `tail` rows: completion lengths lognormal (median {TAIL_MEDIAN} x the completion length, sigma {TAIL_SIGMA}, "
-    f"clipped to [{TAIL_SHORTEST}, the completion length]), one truncated at the completion length, so GRPOTrainer "
-    "pads every micro-batch to it (`tail-half0`: half the groups at advantage 0); the bound is the backbone on that "
-    "padding."
-)
-LONG_NOTE = (
-    f" `longprompt` rows: groups of {LONG_GROUP} completions of one {LONG_PROMPT}-token prompt, completion lengths as "
-    f"`tail`'s of at most {LONG_COMPLETION} tokens; `noshare`: the default with `share_prompts=False`."
-)
-VARIED_LONGEST = (1.0, 0.8, 0.6, 0.9)  # the `varied` micro-batches' longest completions, of the completion length
-TRAINERS = {  # name: (trainer, its options)
-    "grpo": (GRPOTrainer, None),
-    "grpo-wait": (WaitingGRPOTrainer, None),
-    "auto": (CompiledGRPOTrainer, {}),  # the trainer's defaults (on a GPU: the grouped compiled stack)
-    "uncaptured": (CompiledGRPOTrainer, {"loss_options": {"capture": False}}),
-    "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
-    "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
-    "memory16k": (CompiledGRPOTrainer, {"schedule": "memory", "loss_options": {"vocab_tile": 16384}}),
-    # auto with captured calls (each schedule's passes as CUDA graph replays)
-    "captured": (CompiledGRPOTrainer, {"loss_options": {"capture": True}}),
-    "captured-unvalidated": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "validate": False}}),
-    # captured with a statistics pass of 512 (256) rows at a time: half (a quarter of) its [rows, V] float32 workspace
-    # in the graphs' pool
-    "captured-stats512": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 512}}),
-    "captured-stats256": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256}}),
-    # and with 4096-entry vocabulary slices in the gradient pass: half its [token_tile, vocab_tile] logits
-    "captured-small": (CompiledGRPOTrainer, {"loss_options": {"capture": True, "stats_rows": 256, "vocab_tile": 4096}}),
-    # captured on the uncaptured calls' tiles (1024-row statistics, 8192-entry slices): a larger pool, fewer kernels
-    "captured-large": (
-        CompiledGRPOTrainer,
-        {"loss_options": {"capture": True, "stats_rows": 1024, "vocab_tile": 8192}},
-    ),  # fmt: skip
-    # and with a 128-row statistics pass and 4096-token gradient-pass tiles: half the default captured workspace
-    "captured-smaller": (
-        CompiledGRPOTrainer,
-        {"loss_options": {"capture": True, "stats_rows": 128, "token_tile": 4096}},
-    ),  # fmt: skip
-    # small speed tiles, which fit the trainer's budget at 0.5B (256) and 1.5B (512)
-    "speed256": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 256, "speed_group": 256}}),
-    "speed512": (CompiledGRPOTrainer, {"schedule": "speed", "loss_options": {"speed_tile": 512, "speed_group": 512}}),
-    # sequences at advantage 0: no backward, and no forward ("all"); or trained as TRL does (False)
-    "skip-all": (CompiledGRPOTrainer, {"skip_zero_advantage": "all"}),
-    "skip-backward": (CompiledGRPOTrainer, {"skip_zero_advantage": "backward"}),
-    "noskip": (CompiledGRPOTrainer, {"skip_zero_advantage": False}),
-    # the default without shared prompts (each completion forwards its prompt again)
-    "noshare": (CompiledGRPOTrainer, {"share_prompts": False}),
-    # real tokens only: the default packs (FlexAttention or SDPA by hidden size on a GPU); forced choices, trimming
-    # alone, and TRL's padded forward
-    "packed-sdpa": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "sdpa"}),
-    "packed-flex": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "flex_attention"}),
-    # torch's varlen FlashAttention (CUDA, 16-bit): no mask, the sequences' boundaries from the plan
-    "packed-varlen": (CompiledGRPOTrainer, {"padding_free": "pack", "packed_attention": "varlen"}),
-    # the trainer's own `compile_backbone=True` (decoder layers compiled by region at its first step) with each
-    # padding-free choice
-    "backbone": (CompiledGRPOTrainer, {"compile_backbone": True}),
-    "trim-backbone": (CompiledGRPOTrainer, {"padding_free": "trim", "compile_backbone": True}),
-    "sdpa-backbone": (
-        CompiledGRPOTrainer,
-        {"padding_free": "pack", "packed_attention": "sdpa", "compile_backbone": True},
-    ),  # fmt: skip
-    "flex-backbone": (
-        CompiledGRPOTrainer,
-        {"padding_free": "pack", "packed_attention": "flex_attention", "compile_backbone": True},
-    ),  # fmt: skip
-    "varlen-backbone": (
-        CompiledGRPOTrainer,
-        {"padding_free": "pack", "packed_attention": "varlen", "compile_backbone": True},
-    ),  # fmt: skip
-    # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities (it refuses gradient
-    # checkpointing: run it with --no-gradient-checkpointing)
-    "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
-    # the default's packed forwards through the layers as a few compiled calls (`compiled_stack`: groups of layers)
-    "stack": (CompiledGRPOTrainer, {"compile_backbone": "stack"}),
-    "stack-noshare": (CompiledGRPOTrainer, {"compile_backbone": "stack", "share_prompts": False}),
-    "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
-    "padded": (CompiledGRPOTrainer, {"padding_free": False}),
-    # the lm_head product rounded to bf16 before the softmax, as GRPOTrainer's own head does
-    "rounded": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True}}),
-    "rounded-captured": (CompiledGRPOTrainer, {"loss_options": {"round_logits": True, "capture": True}}),
-    # the fp32 head (`cast_lm_head_to_fp32=True`: TRL makes lm_head a float32 module, in place on the model, so
-    # these run in a process of their own)
-    "grpo-fp32": (GRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
-    # the peers a user would pick: GRPOTrainer with Liger's kernels (its RMSNorm, SwiGLU and RoPE patched into the
-    # model, and its GRPO loss; GPU only: Triton), and GRPOTrainer on decoder layers compiled by region (each layer
-    # `torch.compile`d, dynamic lengths, as a user can do by hand), and this library's default on them
-    "grpo-liger": (GRPOTrainer, {"config": {"use_liger_kernel": True}}),
-    "grpo-compiled-layers": (GRPOTrainer, {"compiled_layers": True}),
-    "auto-compiled-layers": (CompiledGRPOTrainer, {"compiled_layers": True}),
-    "auto-fp32": (CompiledGRPOTrainer, {"config": {"cast_lm_head_to_fp32": True}}),
-    # the default with its compiled layers' kernels launched from Inductor's C++ wrapper instead of Python (the host
-    # issues every kernel of the small models' steps)
-    "auto-cpp-wrapper": (CompiledGRPOTrainer, {"inductor": {"cpp_wrapper": True}}),
-    # and with them replayed as CUDA graphs (what `mode="reduce-overhead"` sets; a graph per packed length, which the
-    # trainer rounds up to `packed_bucket`); a warm-up that fails is reported in the row, a later failure ends the
-    # run, so it runs in a process of its own
-    "auto-cudagraphs": (CompiledGRPOTrainer, {"inductor": {"triton.cudagraphs": True}}),
-    # the default's stack alone replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`; the head as it is)
-    "stack-graphs": (CompiledGRPOTrainer, {"stack_graphs": True}),
-}
-DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 DEFAULTS = {"batches": ",".join(BATCHES), "sizes": "8,16", "trainers": DEFAULT_TRAINERS, "generation": 0}
 # the headline run (docs/benchmarks/trl-step, README's step table): the defaults users get, against GRPOTrainer
 # (whole optimizer steps, checkpointed as train() runs them, the padding-free batches and the peers a user would pick)
 HEADLINE = {"batches": "dense,both,tail,tail-half0", "sizes": "8", "generation": 4,
             "trainers": "grpo,auto,skip-all,grpo-compiled-layers,grpo-liger"}  # fmt: skip
-LABELS = {
-    "grpo": "GRPOTrainer",
-    "grpo-wait": "GRPOTrainer, one host wait where its head starts",
-    "auto": "CompiledGRPOTrainer (defaults: the grouped compiled stack on a GPU)",
-    "uncaptured": "CompiledGRPOTrainer auto, uncaptured",
-    "memory": "CompiledGRPOTrainer memory",
-    "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
-    "memory16k": "CompiledGRPOTrainer memory, 16384-entry vocabulary tiles",
-    "captured": "CompiledGRPOTrainer auto, captured calls",
-    "captured-unvalidated": "CompiledGRPOTrainer auto, captured calls, validate=False",
-    "captured-stats512": "CompiledGRPOTrainer auto, captured calls, 512-row statistics pass",
-    "captured-stats256": "CompiledGRPOTrainer auto, captured calls, 256-row statistics pass",
-    "captured-small": "CompiledGRPOTrainer auto, captured calls, 256-row statistics, 4096-entry vocabulary slices",
-    "captured-large": "CompiledGRPOTrainer auto, captured calls on the uncaptured tiles (1024-row statistics, "
-    "8192-entry slices)",
-    "captured-smaller": "CompiledGRPOTrainer auto, captured calls, 128-row statistics, 4096-token gradient tiles",
-    "speed256": "CompiledGRPOTrainer speed, 256-token tiles, uncaptured",
-    "speed512": "CompiledGRPOTrainer speed, 512-token tiles, uncaptured",
-    "skip-all": "CompiledGRPOTrainer, skip_zero_advantage='all'",
-    "skip-backward": "CompiledGRPOTrainer, skip_zero_advantage='backward'",
-    "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
-    "noshare": "CompiledGRPOTrainer, share_prompts=False",
-    "graphs": "CompiledGRPOTrainer, compile_backbone='graphs'",
-    "stack": "CompiledGRPOTrainer, compile_backbone='stack'",
-    "stack-noshare": "CompiledGRPOTrainer, compile_backbone='stack', share_prompts=False",
-    "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
-    "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
-    "packed-varlen": "CompiledGRPOTrainer, packed, varlen FlashAttention",
-    "backbone": "CompiledGRPOTrainer, compile_backbone=True",
-    "trim-backbone": "CompiledGRPOTrainer, trimmed, compile_backbone=True",
-    "sdpa-backbone": "CompiledGRPOTrainer, packed, SDPA, compile_backbone=True",
-    "flex-backbone": "CompiledGRPOTrainer, packed, FlexAttention, compile_backbone=True",
-    "varlen-backbone": "CompiledGRPOTrainer, packed, varlen FlashAttention, compile_backbone=True",
-    "grpo-liger": "GRPOTrainer, use_liger_kernel=True",
-    "grpo-compiled-layers": "GRPOTrainer, decoder layers compiled",
-    "auto-compiled-layers": "CompiledGRPOTrainer, decoder layers compiled",
-    "trim": "CompiledGRPOTrainer, padding_free='trim'",
-    "padded": "CompiledGRPOTrainer, padding_free=False (TRL's padded forward)",
-    "rounded": "CompiledGRPOTrainer auto, round_logits=True",
-    "rounded-captured": "CompiledGRPOTrainer auto, round_logits=True, captured calls",
-    "grpo-fp32": "GRPOTrainer, cast_lm_head_to_fp32=True",
-    "auto-fp32": "CompiledGRPOTrainer auto, cast_lm_head_to_fp32=True",
-    "auto-cpp-wrapper": "CompiledGRPOTrainer auto, layers compiled with Inductor's C++ wrapper",
-    "auto-cudagraphs": "CompiledGRPOTrainer auto, layers compiled as CUDA graphs",
-    "stack-graphs": "CompiledGRPOTrainer auto, its stack's calls replayed as CUDA graphs",
-}
-BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line
 
 
 def tokenizer():
@@ -304,85 +123,6 @@ def checkpoint_as_train_does(t) -> None:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
     model.train()
-
-
-def zero_groups(B: int, zeros: int, group: int) -> torch.Tensor:
-    """Which of B rows are at advantage 0: `zeros` of every four groups of `group` rows (the first ones)."""
-    return (torch.arange(B) // group) % 4 < zeros if zeros != 2 else (torch.arange(B) // group) % 2 == 0
-
-
-def micro_batch(vocab: int, device, B: int, zeros: int, P=64, C=1024, seed=0, group=None) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    advantages = torch.randn(B, generator=g)
-    if zeros:  # groups of 4; three of four groups on one micro-batch of 8 need groups of 2
-        group = group or (4 if zeros == 2 else max(B // 4, 1))
-        advantages = torch.where(zero_groups(B, zeros, group), 0.0, advantages)
-    inputs = {
-        "prompt_ids": torch.randint(3, vocab, (B, P), generator=g),
-        "prompt_mask": torch.ones(B, P, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab, (B, C), generator=g),
-        "completion_mask": torch.ones(B, C, dtype=torch.long),
-        "advantages": advantages,
-    }
-    inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
-    return {k: v.to(device) for k, v in inputs.items()}
-
-
-def tail_lengths(n: int, C: int, seed: int = 0) -> torch.Tensor:
-    """`n` completion lengths of the `tail` kinds (the first at C: a truncated completion)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = (TAIL_MEDIAN * C * torch.exp(TAIL_SIGMA * torch.randn(n, generator=g))).clamp(min(TAIL_SHORTEST, C), C)
-    lengths = lengths.long()
-    lengths[0] = C
-    return lengths
-
-
-def with_tail(inputs: dict, seed: int = 0) -> dict:
-    """`inputs` with `tail_lengths` completions (right-padded masks)."""
-    B, C = inputs["completion_ids"].shape
-    lengths = tail_lengths(B, C, seed).to(inputs["completion_mask"].device)
-    mask = (torch.arange(C, device=lengths.device) < lengths[:, None]).long()
-    return {**inputs, "completion_mask": mask, "num_items_in_batch": mask.sum().float()}
-
-
-def with_shared_prompts(inputs: dict, group: int) -> dict:
-    """`inputs` whose consecutive rows in groups of `group` have their group's first prompt (as TRL's generation
-    batch has them, before it shuffles the rows)."""
-    first = torch.arange(len(inputs["prompt_ids"]), device=inputs["prompt_ids"].device) // group * group
-    return {**inputs, "prompt_ids": inputs["prompt_ids"][first]}
-
-
-def long_prompt_batch(vocab: int, device, B: int) -> dict:
-    """B rows of the `longprompt` kind (`LONG_PROMPT`, `LONG_COMPLETION`, `LONG_GROUP`)."""
-    inputs = with_tail(micro_batch(vocab, device, B, 0, P=LONG_PROMPT, C=LONG_COMPLETION))
-    return with_shared_prompts(inputs, LONG_GROUP)
-
-
-def real_tokens(inputs: dict) -> int:
-    return int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
-
-
-def micro_batches(vocab: int, device, B: int, kind: str, C=1024) -> list[dict]:
-    """The micro-batches a step of `kind` cycles through: one, or for `varied` one per `VARIED_LONGEST`, each row's
-    completion a random length between half the batch's longest and it (one row at the longest)."""
-    _, zeros = BATCHES[kind]
-    if kind == "longprompt":
-        return [long_prompt_batch(vocab, device, B)]
-    if kind.startswith("tail"):
-        return [with_tail(micro_batch(vocab, device, B, zeros, C=C))]
-    if kind != "varied":
-        return [micro_batch(vocab, device, B, zeros, C=C)]
-    batches = []
-    for i, fraction in enumerate(VARIED_LONGEST):
-        longest = int(C * fraction)
-        inputs = micro_batch(vocab, device, B, zeros, C=longest, seed=i)
-        g = torch.Generator().manual_seed(100 + i)
-        lengths = torch.randint(longest // 2, longest + 1, (B,), generator=g)
-        lengths[0] = longest
-        mask = (torch.arange(longest) < lengths[:, None]).long().to(device)
-        inputs["completion_mask"], inputs["num_items_in_batch"] = mask, mask.sum().float()
-        batches.append(inputs)
-    return batches
 
 
 def timed(steps: dict, rounds: int, on_gpu: bool, reset, warmups: int = 2) -> dict:
@@ -775,122 +515,6 @@ def installed(package: str) -> str | None:
         return md.version(package)
     except md.PackageNotFoundError:
         return None
-
-
-def report(args) -> None:
-    rows, versions, repeats = [], {}, {}
-    for name in args.report:
-        data = json.loads(Path(name).read_text())
-        rows += data["rows"]
-        versions = data["versions"]
-        repeats.update(dict.fromkeys((r["model"] for r in data["rows"]), versions.get("repeats", "?")))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    present = [name for name in TRAINERS if any(r["method"] == name for r in rows)]
-    lines = [
-        "# The TRL step: GRPOTrainer against CompiledGRPOTrainer",
-        "",
-        f"{versions.get('gpu')}; torch {versions.get('torch')}, transformers {versions.get('transformers')}, TRL "
-        f"{versions.get('trl')}. {checkpointing_note(rows)} Random bf16 weights of each model's shape; completions "
-        "of 1024 tokens after 64-token prompts (`varied`: four micro-batches taking turns, their longest completions "
-        "1024, 819, 614 and 921 tokens), dapo; `_compute_loss` (the model's forward included) + backward, "
-        f"median of {', '.join(f'{n} ({m})' for m, n in repeats.items())} steps after every micro-batch ran twice; "
-        "peak memory above the model and inputs; a captured row's footprint adds what it holds between steps (its "
-        "static buffers, the pool's live tensors) and the pool's free part (older runs: the pool's size and what "
-        "the row held). The bound: the backbone's forward and backward, eager and padded as GRPOTrainer runs it, "
-        "with a trivial loss on its final hidden states (no lm_head): the floor of any head on that backbone, which "
-        "compiled layers and packing go below (`below the bound`). `gain reached`: the share of the possible gain "
-        "over GRPOTrainer (its time minus the bound's) that a row above the bound achieves. A `step/N` row times "
-        "a whole optimizer step over a generation batch of N micro-batches (`--generation N`: TRL's "
-        "`_prepare_inputs`, each micro-batch's loss and backward, fused AdamW); its bound is the backbone on every "
-        "micro-batch plus the same optimizer step. `GPU busy`: the device time of one more step under the profiler "
-        "(each kernel, copy and set once): a row's own floor, which its wall clock meets where the host keeps up."
-        + (TAIL_NOTE if any(r["batch"].startswith("tail") for r in rows) else "")
-        + (LONG_NOTE if any(r["batch"] == "longprompt" for r in rows) else ""),
-        "",
-        "| model, batch, sequences | bound | " + " | ".join(LABELS[name] for name in present) + " |",
-        "|---|---|" + "---|" * len(present),
-    ]
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        mine = {r["method"]: r for r in rows if r["shape"] == shape}
-        cells = [cell(mine, name) for name in (BOUND, *present)]
-        lines.append(f"| {shape} | {' | '.join(cells)} |")
-    lines += ["", "![step time and peak memory](trl-step.png)", ""]
-    (out / "trl-step.md").write_text("\n".join(lines))
-    named = [{**r, "method": LABELS.get(r["method"], r["method"])} for r in rows]
-    title = f"TRL step, {versions.get('gpu')}: _compute_loss + backward (dashed line: the backbone alone)"
-    plots.draw(named, out / "trl-step.png", title)
-    if any(r.get("real_tokens") and r.get("micro_batches") for r in rows):
-        lines += ["![step time against real tokens per step](trl-step-tokens.png)", ""]
-        (out / "trl-step.md").write_text("\n".join(lines))
-        draw_against_tokens([r for r in rows if r.get("micro_batches")], out / "trl-step-tokens.png", versions)
-    print("\n".join(lines))
-
-
-def checkpointing_note(rows: list[dict]) -> str:
-    """How the rows ran gradient checkpointing (rows from before it was recorded ran without it)."""
-    on = {r.get("gradient_checkpointing", False) for r in rows}
-    if on == {True}:
-        return "Gradient checkpointing on in every row, as `trainer.train()` runs GRPOConfig's default."
-    if on == {False}:
-        return "Gradient checkpointing OFF in every row (`trainer.train()` turns it on by GRPOConfig's default)."
-    return "Gradient checkpointing on (as `trainer.train()` runs) except in the rows that say `no checkpointing`."
-
-
-def draw_against_tokens(rows: list[dict], path: Path, versions: dict) -> None:
-    """Optimizer-step time against the real (prompt and completion) tokens per step, one panel per model: a colour
-    per method (the same in every panel), a marker per batch kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    kinds = list(dict.fromkeys(r["batch"] for r in rows))
-    colours = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    markers = dict(zip(kinds, "o^sDvP*X", strict=False))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        for r in rows:
-            if r["model"] == model and "ms" in r:
-                ax.scatter(r["real_tokens"] / 1e3, r["ms"], color=colours[r["method"]], marker=markers[r["batch"]])
-        ax.set(title=model, xlabel="real tokens per optimizer step (thousands)", ylabel="ms per optimizer step")
-        ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=colours[m], marker="o", ls="", label=LABELS.get(m, m)) for m in methods]
-    handles += [Line2D([], [], color="grey", marker=markers[k], ls="", label=k) for k in kinds]
-    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7)
-    fig.suptitle(f"Optimizer step against real tokens, {versions.get('gpu')}")
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def cell(mine: dict, name: str) -> str:
-    """One table cell: time and peak memory, and for this library's trainers the speed-up over GRPOTrainer and
-    the share of the possible gain (GRPOTrainer's time minus the bound's) it reaches."""
-    r, grpo, bound = mine.get(name), mine.get("grpo", {}), mine.get(BOUND, {})
-    if r is None or "ms" not in r:
-        return "-" if r is None else r.get("status", "-")
-    memory = "" if r.get("peak_gib") is None else f", {r['peak_gib']:.2f} GiB"
-    if r.get("capture_stopped"):
-        memory += " (capture stopped: its pool outgrew the budget)"
-    elif r.get("pool_free_gib") is not None and r.get("replays"):
-        memory += f" (footprint {r['footprint_gib']:.2f})"
-    elif r.get("pool_gib"):  # runs before the footprint was measured: the pool, and what the row held
-        memory += f" + {r['pool_gib']:.2f} pool, {r.get('held_gib', 0):.2f} held"
-    busy = f" (GPU busy {r['busy_ms']:.1f})" if r.get("busy_ms") else ""
-    text = f"{r['ms']:.1f} ms{busy}{memory}"
-    if name != "grpo" and name in TRAINERS and "ms" in grpo:
-        text += f" ({grpo['ms'] / r['ms']:.2f}x"
-        # the share of the possible gain, where the bound leaves one (an eager, padded, host-bound backbone may not)
-        if "ms" in bound and r["ms"] < bound["ms"]:
-            text += "; below the bound"
-        elif "ms" in bound and grpo["ms"] - bound["ms"] > 0.05 * grpo["ms"]:
-            text += f"; gain reached {(grpo['ms'] - r['ms']) / (grpo['ms'] - bound['ms']):+.0%}"
-        text += ")"
-    return text
 
 
 def main(argv=None):

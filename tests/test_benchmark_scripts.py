@@ -53,9 +53,9 @@ def test_verl_head_report_rewrites_a_stored_runs_table_without_a_gpu(tmp_path):
 
 
 def test_every_step_method_has_a_label():
-    from benchmarks import sft_step, trl_step
+    from benchmarks import sft_step, trl_step_rows
 
-    assert set(trl_step.LABELS) == set(trl_step.TRAINERS)
+    assert set(trl_step_rows.LABELS) == set(trl_step_rows.TRAINERS)
     assert set(sft_step.LABELS) == set(sft_step.METHODS)
 
 
@@ -65,14 +65,14 @@ def test_the_waiting_head_is_trls_and_is_put_back():
     import torch
     import trl.trainer.utils as trl_utils
 
-    from benchmarks import trl_step
+    from benchmarks import trl_step_rows
 
     original = trl_utils._ChunkedLogProbFunction
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g)
     targets = torch.randint(0, 50, (10,), generator=g)
     args = (hidden, weight, None, targets, 1.0, 32, None, 1.0, ("entropy",))
-    with trl_step.trl_head_after_a_wait():
+    with trl_step_rows.trl_head_after_a_wait():
         waiting = trl_utils._ChunkedLogProbFunction
         got = waiting.apply(*args)[:2]
     assert waiting is not original and trl_utils._ChunkedLogProbFunction is original
@@ -97,7 +97,7 @@ def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
 
 USER_BENCHMARKS = (
     "gpu", "gpu_methods", "timing", "cpu", "trl_step", "sft_step", "verl_head", "verl_triton", "side_by_side", "plots",
-    "unsloth_head", "train",
+    "unsloth_head", "train", "trl_step_batches", "trl_step_rows", "trl_step_report",
 )  # fmt: skip
 
 
@@ -266,12 +266,12 @@ def test_trl_step_long_prompt_rows_share_their_prompts(tmp_path):
     path's equality is tests/test_shared_prompts.py's)."""
     import json
 
-    from benchmarks import trl_step
+    from benchmarks import trl_step, trl_step_batches
     from compiled_grpo.integrations.trl import plan
 
-    batch = trl_step.long_prompt_batch(1000, "cpu", 16)
+    batch = trl_step_batches.long_prompt_batch(1000, "cpu", 16)
     groups = plan.prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
-    assert groups.tolist() == [0] * 8 + [8] * 8 and batch["prompt_ids"].shape[1] == trl_step.LONG_PROMPT
+    assert groups.tolist() == [0] * 8 + [8] * 8 and batch["prompt_ids"].shape[1] == trl_step_batches.LONG_PROMPT
     trl_step.main(["--model", "tiny", "--sizes", "8", "--trainers", "grpo,noshare", "--repeats", "1", "--out",
                    str(tmp_path), "--batches", "longprompt", "--generation", "2"])  # fmt: skip
     rows = json.loads((tmp_path / "trl-step-tiny-step2.json").read_text())["rows"]
