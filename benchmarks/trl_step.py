@@ -56,7 +56,14 @@ from benchmarks.trl_step_batches import (
 )
 from benchmarks.trl_step_report import report
 from benchmarks.trl_step_rows import BOUND, DEFAULT_TRAINERS, TRAINERS
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, compiled_stack, plan, regional_compile, settle
+from compiled_grpo.integrations.trl import (
+    CompiledGRPOTrainer,
+    compiled_stack,
+    plan,
+    regional_compile,
+    settle,
+    stack_graphs,
+)
 
 QWEN = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -501,7 +508,7 @@ def sweep(args) -> None:
                     row["capture_stopped"], row["capture_failures"] = captures.stopped, captures.failures[:4]
                     row["pool_free_gib"] = pool_free_gib(captures) if on_gpu else None
                 if on_gpu:  # Inductor's CUDA graphs so far in this process (a row that should replay them reads it)
-                    row["inductor_graphs"], row["inductor_graph_skips"] = compiled_stack.cuda_graphs_recorded()
+                    row["inductor_graphs"], row["inductor_graph_skips"] = stack_graphs.cuda_graphs_recorded()
                 rows.append(with_footprint(with_measurement(row, measured)))
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "date": date, "rows": rows}, indent=1))

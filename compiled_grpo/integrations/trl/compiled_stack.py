@@ -46,6 +46,8 @@ import warnings
 
 import torch
 
+from compiled_grpo.integrations.trl.stack_graphs import grads_outside_graphs, own_outputs
+
 # What dynamo raises where it cannot capture a call as one graph: a graph break inside a nested region, or one
 # that dynamo does not support.
 CAPTURE_FAILURES = (torch._dynamo.exc.UncapturedHigherOrderOpError, torch._dynamo.exc.Unsupported)
@@ -59,21 +61,9 @@ COMPILE_FAILURES = (torch._dynamo.exc.InternalTorchDynamoError, torch._dynamo.ex
 GRADIENTS_PER_CALL = 512 * 2**20
 # Whether a stack built from here on replays its compiled calls as CUDA graphs (Inductor's CUDA-graph trees, a
 # recording per shape; the checkpointing is inside the compiled graph, so its recomputation replays with the
-# backward): off, not yet measured; `benchmarks.trl_step --trainers stack-graphs` turns it on for its row.
+# backward; `stack_graphs` says what else it needs): off, not yet measured on a model of several calls per forward;
+# `benchmarks.trl_step --trainers stack-graphs` turns it on for its row.
 CUDA_GRAPHS = False
-
-
-def cuda_graphs_recorded(device_index: int = 0) -> tuple[int, int]:
-    """(graphs recorded on the device's CUDA-graph trees, calls Inductor ran without its graphs, for any reason):
-    Inductor says why it skips graphs only in its `cudagraphs` log, so a run that should replay reads these."""
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
-    pending, recorded = [n for ns in (manager.roots.values() if manager is not None else ()) for n in ns], 0
-    while pending:
-        recorded += 1
-        pending += [child for children in pending.pop().children.values() for child in children]
-    return recorded, torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
@@ -140,6 +130,7 @@ class Stack:
         # shapes, only what changes between calls made dynamic (dynamic=True makes every size symbolic, and a size
         # that the layer then specializes, e.g. the hidden size, broke dynamo's reuse of the nested region:
         # InternalTorchDynamoError KeyError, torch 2.13.0)
+        self.graphs = CUDA_GRAPHS
         graphs = {"options": {"triton.cudagraphs": True}} if CUDA_GRAPHS else {}
         self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True, **graphs)
         self.static = torch.compile(through_layers, dynamic=False, fullgraph=True, **graphs)  # where dynamic fails
@@ -152,6 +143,8 @@ class Stack:
         first, checkpointing = self.layers[0], getattr(self.layers[0], "gradient_checkpointing", False)
         in_training = first.training and torch.is_grad_enabled()
         checkpoint = checkpoint_settings(first) if checkpointing and in_training else None
+        if self.graphs and torch.is_grad_enabled():
+            grads_outside_graphs(self.parameters)
         self.own = [layer._compiled_call_impl for layer in self.layers], checkpointing
         stacked = [self.hand_on] * len(self.layers)
         for start in range(0, len(self.layers), self.per_call):
@@ -194,7 +187,8 @@ class Stack:
                 hidden = hidden.detach().requires_grad_()
         try:
             with torch._dynamo.config.patch(**self.settings):
-                return self.compiled(group, hidden, kwargs, checkpoint)
+                out = self.compiled(group, hidden, kwargs, checkpoint)
+            return own_outputs(out) if self.graphs and not torch.is_grad_enabled() else out
         except COMPILE_FAILURES as error:
             if self.compiled is self.static:
                 raise
