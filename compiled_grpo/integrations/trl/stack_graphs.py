@@ -15,13 +15,12 @@ freed output in two places, each met here:
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 def own_outputs(out):
-    """A compiled call's outputs copied out of the graphs' pool (a tuple's tensors, or the tensor)."""
-    if isinstance(out, tuple):
-        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
-    return out.clone()
+    """A compiled call's outputs with each tensor copied out of the graphs' pool."""
+    return pytree.tree_map_only(torch.Tensor, torch.clone, out)
 
 
 def grads_outside_graphs(parameters: list[list[torch.nn.Parameter]]) -> None:
