@@ -58,7 +58,6 @@ from benchmarks.trl_step_report import report
 from benchmarks.trl_step_rows import BOUND, DEFAULT_TRAINERS, TRAINERS
 from compiled_grpo.integrations.trl import (
     CompiledGRPOTrainer,
-    compiled_stack,
     plan,
     regional_compile,
     settle,
@@ -97,7 +96,6 @@ def make_trainer(name: str, model, size: int, q: float, on_gpu: bool, completion
     config = options.pop("config", {})
     options.pop("compiled_layers", None)  # applied around the row's steps (`with_own_layer_calls`)
     options.pop("inductor", None)  # likewise (`with_inductor_config`)
-    options.pop("stack_graphs", None)  # likewise (`with_stack_graphs`)
     args = GRPOConfig(
         output_dir=f"/tmp/trl-step-{name}", per_device_train_batch_size=size, num_generations=4, report_to=[],
         save_strategy="no", max_completion_length=completion, bf16=on_gpu, use_cpu=not on_gpu,
@@ -272,20 +270,6 @@ def with_inductor_config(step, options: dict):
     return run
 
 
-def with_stack_graphs(step):
-    """`step` with `compiled_stack.CUDA_GRAPHS` on while it runs: the stack the trainer builds at its first step
-    replays its calls as CUDA graphs; as it was after it."""
-
-    def run():
-        before, compiled_stack.CUDA_GRAPHS = compiled_stack.CUDA_GRAPHS, True
-        try:
-            step()
-        finally:
-            compiled_stack.CUDA_GRAPHS = before
-
-    return run
-
-
 def with_liger_kernels(model, config: dict, step):
     """`step` on the model with Liger's kernels patched in as `trainer.train()` patches them (its RMSNorm, SwiGLU and
     RoPE, into the model's modules and its modeling file; `_apply_liger_kernel_to_instance`), and the model as it
@@ -453,8 +437,6 @@ def row_steps(model, steps: dict, trainers: dict) -> dict:
                   for name, t in trainers.items() if t.args.use_liger_kernel})  # fmt: skip
     steps.update({name: with_inductor_config(steps[name], inductor_options(name))
                   for name in trainers if inductor_options(name)})  # fmt: skip
-    steps.update({name: with_stack_graphs(steps[name])
-                  for name in trainers if (TRAINERS[name][1] or {}).get("stack_graphs")})  # fmt: skip
     return {n: with_own_layer_calls(model, f, compiles_layers(n)) for n, f in steps.items()}
 
 

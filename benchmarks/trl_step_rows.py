@@ -44,7 +44,7 @@ class WaitingGRPOTrainer(GRPOTrainer):
 TRAINERS = {  # name: (trainer, its options)
     "grpo": (GRPOTrainer, None),
     "grpo-wait": (WaitingGRPOTrainer, None),
-    "auto": (CompiledGRPOTrainer, {}),  # the trainer's defaults (on a GPU: the grouped compiled stack)
+    "auto": (CompiledGRPOTrainer, {}),  # the trainer's defaults (on a GPU: the grouped stack, as CUDA graphs)
     "uncaptured": (CompiledGRPOTrainer, {"loss_options": {"capture": False}}),
     "memory": (CompiledGRPOTrainer, {"schedule": "memory"}),
     "roomy": (CompiledGRPOTrainer, {"loss_options": {"logits_budget_bytes": 6 << 30}}),  # the library's own budget
@@ -102,7 +102,8 @@ TRAINERS = {  # name: (trainer, its options)
     # the default's layers replayed as CUDA graphs, its packed rows on a few fixed capacities (it refuses gradient
     # checkpointing: run it with --no-gradient-checkpointing)
     "graphs": (CompiledGRPOTrainer, {"compile_backbone": "graphs"}),
-    # the default's packed forwards through the layers as a few compiled calls (`compiled_stack`: groups of layers)
+    # the default's packed forwards through the layers as a few compiled calls (`compiled_stack`: groups of layers),
+    # not replayed as CUDA graphs
     "stack": (CompiledGRPOTrainer, {"compile_backbone": "stack"}),
     "stack-noshare": (CompiledGRPOTrainer, {"compile_backbone": "stack", "share_prompts": False}),
     "trim": (CompiledGRPOTrainer, {"padding_free": "trim"}),
@@ -127,14 +128,14 @@ TRAINERS = {  # name: (trainer, its options)
     # trainer rounds up to `packed_bucket`); a warm-up that fails is reported in the row, a later failure ends the
     # run, so it runs in a process of its own
     "auto-cudagraphs": (CompiledGRPOTrainer, {"inductor": {"triton.cudagraphs": True}}),
-    # the default's stack alone replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`; the head as it is)
-    "stack-graphs": (CompiledGRPOTrainer, {"stack_graphs": True}),
+    # the stack replayed as CUDA graphs (what "auto" runs on a GPU where micro-batches are packed), named
+    "stack-graphs": (CompiledGRPOTrainer, {"compile_backbone": "stack-graphs"}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
-    "auto": "CompiledGRPOTrainer (defaults: the grouped compiled stack on a GPU)",
+    "auto": "CompiledGRPOTrainer (defaults: the grouped compiled stack as CUDA graphs on a GPU)",
     "uncaptured": "CompiledGRPOTrainer auto, uncaptured",
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
@@ -154,7 +155,7 @@ LABELS = {
     "noskip": "CompiledGRPOTrainer, skip_zero_advantage=False",
     "noshare": "CompiledGRPOTrainer, share_prompts=False",
     "graphs": "CompiledGRPOTrainer, compile_backbone='graphs'",
-    "stack": "CompiledGRPOTrainer, compile_backbone='stack'",
+    "stack": "CompiledGRPOTrainer, compile_backbone='stack' (no CUDA graphs)",
     "stack-noshare": "CompiledGRPOTrainer, compile_backbone='stack', share_prompts=False",
     "packed-sdpa": "CompiledGRPOTrainer, packed, SDPA",
     "packed-flex": "CompiledGRPOTrainer, packed, FlexAttention",
@@ -175,6 +176,6 @@ LABELS = {
     "auto-fp32": "CompiledGRPOTrainer auto, cast_lm_head_to_fp32=True",
     "auto-cpp-wrapper": "CompiledGRPOTrainer auto, layers compiled with Inductor's C++ wrapper",
     "auto-cudagraphs": "CompiledGRPOTrainer auto, layers compiled as CUDA graphs",
-    "stack-graphs": "CompiledGRPOTrainer auto, its stack's calls replayed as CUDA graphs",
+    "stack-graphs": "CompiledGRPOTrainer, compile_backbone='stack-graphs'",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line

@@ -202,13 +202,14 @@ def test_a_first_forward_that_compiles_nothing_claims_no_compiling(tmp_path):
 
 def test_compile_backbone_takes_auto_graphs_or_a_bool(tmp_path):
     for bad in ("yes", 1, None):
-        with pytest.raises(TypeError, match="compile_backbone: expected 'auto', 'graphs', 'stack', True or False"):
+        expected = "compile_backbone: expected 'auto', 'graphs', 'stack', 'stack-graphs', True or False"
+        with pytest.raises(TypeError, match=expected):
             train(tmp_path, CompiledGRPOTrainer, "sdpa", False, compile_backbone=bad)
 
 
 def test_auto_compiles_on_a_gpu_where_no_engine_shards_the_parameters():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert regional_compile.effective_mode("auto", cuda, shards_parameters=False) == "stack"
+    assert regional_compile.effective_mode("auto", cuda, shards_parameters=False) == "stack-graphs"
     assert regional_compile.effective_mode("auto", cuda, shards_parameters=False, deepspeed=True) is True
     assert regional_compile.effective_mode("auto", cuda, shards_parameters=True) is False
     assert regional_compile.effective_mode("auto", cpu, shards_parameters=False) is False
@@ -245,3 +246,10 @@ def test_compiled_layers_make_a_recomputation_run_its_forwards_graph(monkeypatch
     layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     assert len(regional_compile.compile_layers(torch.nn.Sequential(layers))) == 2
     assert last_graph_run_after_a_static_then_a_dynamic_compile() == 0
+
+
+def test_the_graphed_stack_is_refused_under_deepspeed():
+    """DeepSpeed's gradient hooks would add into buffers of the graphs' pool: refused at construction."""
+    trainer = types.SimpleNamespace(is_deepspeed_enabled=True, args=types.SimpleNamespace(gradient_checkpointing=True))
+    with pytest.raises(ValueError, match="'stack-graphs' is not run under DeepSpeed.*choose compile_backbone='stack'"):
+        regional_compile.configure(trainer, "stack-graphs")

@@ -31,10 +31,11 @@ pytestmark = pytest.mark.compiled
 
 
 @contextlib.contextmanager
-def stacked(trainer, must_run=True):
-    """The trainer's layers set up as `compile_backbone="stack"` sets them up inside the block; with `must_run`, the
-    stack must have run in it (counted), so a run on layers called one by one cannot pass for it."""
-    trainer.compile_backbone, trainer.backbone_asked, trainer.backbone_layers = "stack", "stack", None
+def stacked(trainer, must_run=True, mode="stack"):
+    """The trainer's layers set up as `compile_backbone=mode` ("stack" or "stack-graphs") sets them up inside the
+    block; with `must_run`, the stack must have run in it (counted), so a run on layers called one by one cannot pass
+    for it."""
+    trainer.compile_backbone, trainer.backbone_asked, trainer.backbone_layers = mode, mode, None
     regional_compile.compile_trainer_backbone(trainer)
     calls = []  # (tokens, with grad, keywords) of each call
     record = lambda hidden, kwargs: calls.append((hidden.shape[-2], torch.is_grad_enabled(), tuple(sorted(kwargs))))  # noqa: E731
@@ -61,8 +62,9 @@ def eager_linear_stack(count: int):
     return layers, stack
 
 
-def stack_matches_trl(trainer, inputs, metrics=True):
-    with stacked(trainer):
+def stack_matches_trl(trainer, inputs, metrics=True, mode="stack"):
+    with stacked(trainer, mode=mode):
+        assert all(stack.graphs == (mode == "stack-graphs") for stack in trainer.backbone_stacks.values())
         matches_trl(trainer, inputs, metrics)
 
 
@@ -294,14 +296,13 @@ def test_a_model_that_runs_fewer_layers_than_it_holds_is_refused(tmp_path):
     assert_refused(trainer, "runs 1 of its 2 layers")
 
 
-def test_the_stack_built_to_replay_cuda_graphs_equals_trl(tmp_path, monkeypatch):
-    """`compiled_stack.CUDA_GRAPHS` (Inductor's CUDA-graph trees around the stack's calls; on the CPU Inductor
+def test_the_stack_built_to_replay_cuda_graphs_equals_trl(tmp_path):
+    """`compile_backbone="stack-graphs"` (Inductor's CUDA-graph trees around the stack's calls; on the CPU Inductor
     records none): the stack compiles with it, checkpointed, and the step equals TRL's."""
-    monkeypatch.setattr(compiled_stack, "CUDA_GRAPHS", True)
     trainer = fixed_trainer(tmp_path, loss_type="grpo")
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.model.enable_input_require_grads()
-    stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0))
+    stack_matches_trl(trainer, with_logps(trainer, varied_batch(), 0.0), mode="stack-graphs")
 
 
 def test_a_layer_frozen_alone_is_refused(tmp_path):

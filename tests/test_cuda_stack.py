@@ -1,7 +1,7 @@
 """On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as a few compiled calls
 on fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
 GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run, its calls
-compiled plainly or replayed as CUDA graphs (`compiled_stack.CUDA_GRAPHS`: graphs recorded, none skipped)."""
+compiled plainly or replayed as CUDA graphs (`"stack-graphs"`, the default there: graphs recorded, none skipped)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 @pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("graphs", [False, True], ids=["compiled", "cuda-graphs"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, monkeypatch, reentrant, graphs):
-    monkeypatch.setattr(compiled_stack, "CUDA_GRAPHS", graphs)
+def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, reentrant, graphs):
     trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant)
     skipped = stack_graphs.cuda_graphs_recorded()[1]
-    with stacked(trainer):
+    with stacked(trainer, mode="stack-graphs" if graphs else "stack"):
         for _ in range(3):
             with trainer.accelerator.autocast():
                 ours = loss_and_grads(trainer._compute_loss, trainer, inputs)
@@ -39,11 +38,10 @@ def test_a_graphed_stack_of_several_calls_runs_without_grad_and_accumulates_on_t
     micro-batches, where Inductor's CUDA-graph trees free a generation's outputs at the next call (`stack_graphs`):
     a forward without grad (each call's output handed to the next), then two steps of two micro-batches each, their
     gradients added into `.grad`: half the sum equals GRPOTrainer's one micro-batch to bf16 rounding."""
-    monkeypatch.setattr(compiled_stack, "CUDA_GRAPHS", True)
     monkeypatch.setattr(compiled_stack, "GRADIENTS_PER_CALL", 1)  # one layer a call: two calls per forward
     trainer, inputs, theirs = fixed_shapes_against_trl(tmp_path, reentrant=False)
     skipped = stack_graphs.cuda_graphs_recorded()[1]
-    with stacked(trainer):
+    with stacked(trainer, mode="stack-graphs"):
         assert all(stack.per_call == 1 for stack in trainer.backbone_stacks.values())
         with torch.no_grad(), trainer.accelerator.autocast():
             trainer._compute_loss(trainer.model, inputs)

@@ -1,4 +1,5 @@
-"""The decoder layers of a packed forward run as a few compiled calls (`compile_backbone="stack"`).
+"""The decoder layers of a packed forward run as a few compiled calls (`compile_backbone="stack"`; "stack-graphs",
+the default on a GPU, replays the calls as CUDA graphs: `stack_graphs`).
 
 Compiled by region, a checkpointed step calls 28 compiled layers three times each per micro-batch (forward,
 recomputation, backward), each call paying the host's cost of a compiled call (guards, AOTAutograd's wrappers,
@@ -59,11 +60,6 @@ COMPILE_FAILURES = (torch._dynamo.exc.InternalTorchDynamoError, torch._dynamo.ex
 # The gradients one compiled call may hold at once (`layers_per_call`): 4 of Qwen2.5-1.5B's layers in bf16 (372 MB),
 # 12 of 0.5B's, one of 7B's.
 GRADIENTS_PER_CALL = 512 * 2**20
-# Whether a stack built from here on replays its compiled calls as CUDA graphs (Inductor's CUDA-graph trees, a
-# recording per shape; the checkpointing is inside the compiled graph, so its recomputation replays with the
-# backward; `stack_graphs` says what else it needs): off, not yet measured on a model of several calls per forward;
-# `benchmarks.trl_step --trainers stack-graphs` turns it on for its row.
-CUDA_GRAPHS = False
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
@@ -104,7 +100,7 @@ class Refused(RuntimeError):
     trainer compiles the layers by region alone from then on, else this is raised."""
 
     def __init__(self, reason: str):
-        super().__init__(f"compile_backbone='stack': {reason}; choose compile_backbone=True for this model")
+        super().__init__(f"compile_backbone's stack: {reason}; choose compile_backbone=True for this model")
         self.reason = reason
 
 
@@ -118,7 +114,10 @@ class Stack:
 
     RECOMPILE_LIMIT = 64  # a few graphs per kind of call, per model: may pass dynamo's default 8
 
-    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn):
+    def __init__(self, layers: list[torch.nn.Module], say=warnings.warn, graphs: bool = False):
+        """`graphs`: the compiled calls replayed as CUDA graphs (Inductor's CUDA-graph trees, a recording per shape;
+        the checkpointing is inside the compiled graph, so its recomputation replays with the backward;
+        `stack_graphs` says what else they need)."""
         self.layers, self.say = layers, say
         # each layer's parameters listed once: walking the modules at every call cost the host 17 ms per micro-batch
         # at 1.5B (7 groups x 28 layers); their requires_grad is still read at every call
@@ -130,10 +129,10 @@ class Stack:
         # shapes, only what changes between calls made dynamic (dynamic=True makes every size symbolic, and a size
         # that the layer then specializes, e.g. the hidden size, broke dynamo's reuse of the nested region:
         # InternalTorchDynamoError KeyError, torch 2.13.0)
-        self.graphs = CUDA_GRAPHS
-        graphs = {"options": {"triton.cudagraphs": True}} if CUDA_GRAPHS else {}
-        self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True, **graphs)
-        self.static = torch.compile(through_layers, dynamic=False, fullgraph=True, **graphs)  # where dynamic fails
+        self.graphs = graphs
+        options = {"options": {"triton.cudagraphs": True}} if graphs else {}
+        self.compiled = torch.compile(through_layers, dynamic=None, fullgraph=True, **options)
+        self.static = torch.compile(through_layers, dynamic=False, fullgraph=True, **options)  # where dynamic fails
         self.kwargs, self.out, self.final, self.own = None, None, None, None
         self.one_by_one: dict[tuple, str] = {}  # the kinds of call dynamo could not capture: {kind: its reason}
 
@@ -193,13 +192,13 @@ class Stack:
             if self.compiled is self.static:
                 raise
             self.compiled = self.static
-            self.say(f"compile_backbone='stack': dynamo failed on dynamic lengths ({capture_failure(error)[:200]}), so "
+            self.say(f"compile_backbone's stack: dynamo failed on dynamic lengths ({capture_failure(error)[:200]}), so "
                      "the stack compiles static shapes from here, a graph per packed capacity")  # fmt: skip
             return self.captured(kind, group, hidden, kwargs, checkpoint)
         except CAPTURE_FAILURES as error:
             self.one_by_one[kind] = f"{type(error).__name__}: {capture_failure(error)}"
         grad = "with grad" if kind[0] else "without grad"
-        self.say(f"compile_backbone='stack': dynamo cannot run these forwards ({grad}, taking "
+        self.say(f"compile_backbone's stack: dynamo cannot run these forwards ({grad}, taking "
                  f"{', '.join(kind[2]) or 'no keywords'}) as one compiled call, so their layers run one by one on "
                  f"their compiled calls ({self.one_by_one[kind]})")  # fmt: skip
         return None

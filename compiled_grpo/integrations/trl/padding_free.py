@@ -75,7 +75,7 @@ def configure(trainer, mode, attention, bucket: int, share="auto") -> None:
     trainer.padding_free_mode = effective_mode(mode, hidden, device, compiled_varlen)
     trainer.packed_bucket = bucket
     # layers replayed as CUDA graphs, or run as one stack on static shapes, need the few shapes of fixed capacities
-    trainer.packed_shapes = Shapes(bucket, fixed=trainer.compile_backbone in ("graphs", "stack"))
+    trainer.packed_shapes = Shapes(bucket, fixed=trainer.compile_backbone in ("graphs", *regional_compile.STACKS))
     trainer.packing_refused = None
     if trainer.padding_free_mode == "pack":
         why_not = packed_attention.runs_on(trainer.packed_attention, device, in_16_bits)

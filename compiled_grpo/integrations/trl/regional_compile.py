@@ -18,11 +18,12 @@ layer's output that a later replay of Inductor's CUDA-graph trees had overwritte
 `compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as a few compiled calls
 (groups of layers) on those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why
 and compiles them by region alone).
-`compile_backbone="auto"` (the default) runs the stack on a GPU where no engine shards the parameters (by region
-under DeepSpeed ZeRO-2, and where the step is not packed; measured on an H100, Qwen2.5 shapes, checkpointed
-optimizer steps: the stack 2.7x GRPOTrainer's step at 1.5B against 2.1x by region, docs/performance.md); ZeRO-3 and
-FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real model's layers take minutes to compile
-there).
+`compile_backbone="stack-graphs"` replays the stack's calls as CUDA graphs (`stack_graphs`).
+`compile_backbone="auto"` (the default) runs the stack replayed as CUDA graphs on a GPU where no engine shards the
+parameters (by region under DeepSpeed ZeRO-2, and where the step is not packed; measured on an H100, Qwen2.5 shapes,
+checkpointed optimizer steps: the graphed stack 2.67x GRPOTrainer's step at 1.5B, the stack alone 2.65x, by region
+2.1x, docs/performance.md); ZeRO-3 and FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real
+model's layers take minutes to compile there).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import torch._dynamo.utils
 from ... import kernels
 from . import compiled_stack
 
-MODES = ("auto", "graphs", "stack", True, False)
+MODES = ("auto", "graphs", "stack", "stack-graphs", True, False)
+STACKS = ("stack", "stack-graphs")  # the modes that run a packed forward's layers as a few compiled calls
 
 
 class BackboneNotice(UserWarning):
@@ -90,7 +92,8 @@ def stack_layers(trainer, models: list) -> None:
             say(f"compile_backbone={trainer.backbone_asked!r}: {why_not}; the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
-        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say)
+        graphs = trainer.compile_backbone == "stack-graphs"
+        trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say, graphs=graphs)
 
 
 def stack_of(trainer, model):
@@ -117,7 +120,8 @@ def check_mode(compile_backbone) -> None:
     named = isinstance(compile_backbone, str) and compile_backbone in MODES
     if not (compile_backbone is True or compile_backbone is False or named):  # not 1, not None
         raise TypeError(
-            f"compile_backbone: expected 'auto', 'graphs', 'stack', True or False, got {compile_backbone!r}"
+            f"compile_backbone: expected 'auto', 'graphs', 'stack', 'stack-graphs', True or False, got "
+            f"{compile_backbone!r}"
         )
 
 
@@ -127,6 +131,9 @@ def configure(trainer, compile_backbone) -> None:
     deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
     if compile_backbone == "graphs" and checkpointing_asked(trainer.args):
         raise ValueError(graphs_refused())
+    if compile_backbone == "stack-graphs" and deepspeed:
+        raise ValueError("compile_backbone='stack-graphs' is not run under DeepSpeed (its gradient hooks would add "
+                         "into buffers of the graphs' pool); choose compile_backbone='stack' or 'auto'")  # fmt: skip
     trainer.backbone_asked = compile_backbone
     trainer.compile_backbone = effective_mode(
         compile_backbone, trainer.accelerator.device, trainer.shards_parameters, deepspeed
@@ -147,15 +154,15 @@ def checkpointing_asked(args) -> bool:
 
 
 def effective_mode(mode, device: torch.device, shards_parameters: bool, deepspeed: bool = False):
-    """What "auto" means here: on a GPU where no engine (ZeRO-3, FSDP) shards the parameters, the stack (`"stack"`:
-    the fewest compiled calls, measured fastest at 1.5B, docs/performance.md; where the step is not packed it
-    compiles by region alone), by region under DeepSpeed (ZeRO-2: the stack is not measured under its gradient
-    hooks); nothing elsewhere."""
+    """What "auto" means here: on a GPU where no engine (ZeRO-3, FSDP) shards the parameters, the stack replayed as
+    CUDA graphs (`"stack-graphs"`: the fewest compiled calls, each one graph launch; measured fastest at 0.5B-7B,
+    docs/performance.md; where the step is not packed it compiles by region alone), by region under DeepSpeed
+    (ZeRO-2: the stack is not measured under its gradient hooks); nothing elsewhere."""
     if mode != "auto":
         return mode
     if device.type != "cuda" or shards_parameters:
         return False
-    return True if deepspeed else "stack"
+    return True if deepspeed else "stack-graphs"
 
 
 def compile_trainer_backbone(trainer) -> None:
@@ -173,7 +180,7 @@ def compile_trainer_backbone(trainer) -> None:
     if not trainer.backbone_layers:
         say("compile_backbone: no repeated layers found in the model; its forwards run eagerly")
         return
-    if trainer.compile_backbone == "stack":
+    if trainer.compile_backbone in STACKS:
         stack_layers(trainer, models)
     kind = type(trainer.backbone_layers[0]).__name__
     how = ", replayed as CUDA graphs (one per packed capacity)" if graphs else ""
@@ -209,7 +216,7 @@ def forward_or_fall_back(trainer, forward):
         with backward_compiled_with_forward():
             result = forward()
     except compiled_stack.Refused as refused:
-        if trainer.backbone_asked == "stack":
+        if trainer.backbone_asked in STACKS:
             raise
         trainer.backbone_stacks = {}
         say(f"compile_backbone={trainer.backbone_asked!r}: {refused.reason}; the layers are compiled by region alone "
