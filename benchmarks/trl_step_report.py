@@ -10,6 +10,20 @@ from benchmarks.trl_step_batches import LONG_NOTE, TAIL_NOTE
 from benchmarks.trl_step_rows import BOUND, LABELS, TRAINERS
 
 
+def one_bound_per_shape(rows: list[dict]) -> list[dict]:
+    """The rows with each shape's first bound row alone: a run of one trainer per process measures the bound in each
+    file, and the table and the picture show one (the first file's)."""
+    seen = set()
+    kept = []
+    for row in rows:
+        if row["method"] == BOUND:
+            if row["shape"] in seen:
+                continue
+            seen.add(row["shape"])
+        kept.append(row)
+    return kept
+
+
 def report(args) -> None:
     rows, versions, repeats = [], {}, {}
     for name in args.report:
@@ -17,6 +31,7 @@ def report(args) -> None:
         rows += data["rows"]
         versions = data["versions"]
         repeats.update(dict.fromkeys((r["model"] for r in data["rows"]), versions.get("repeats", "?")))
+    rows = one_bound_per_shape(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     present = [name for name in TRAINERS if any(r["method"] == name for r in rows)]

@@ -456,3 +456,18 @@ def test_nested_region_cases_run_each_in_its_own_process(capsys):
     assert all(row["worst_gradient_error"] == 0.0 and row["blocks_off"] == [] for row in rows), rows
     with pytest.raises(SystemExit):
         nested_regions.main(["--cases", "baseline,fast"])
+
+
+def test_the_trl_step_report_keeps_one_bound_row_per_shape():
+    """Runs of one trainer per process each measure the bound: the joined table and picture show the first."""
+    from benchmarks.trl_step_report import one_bound_per_shape
+    from benchmarks.trl_step_rows import BOUND
+
+    rows = [{"shape": "a", "method": BOUND, "ms": 1.0}, {"shape": "a", "method": "grpo"},
+            {"shape": "a", "method": BOUND, "ms": 2.0}, {"shape": "b", "method": BOUND, "ms": 3.0}]  # fmt: skip
+    kept = one_bound_per_shape(rows)
+    assert [(r["shape"], r["method"], r.get("ms")) for r in kept] == [
+        ("a", BOUND, 1.0),
+        ("a", "grpo", None),
+        ("b", BOUND, 3.0),
+    ]
