@@ -207,7 +207,8 @@ def with_footprint(row: dict) -> dict:
     what the method holds between steps (`held_gib`: a captured call's static buffers and the pool's live
     tensors) and the pool's free part. The comparable number to GRPOTrainer's peak."""
     if row.get("peak_gib") is not None and row.get("held_gib") is not None:
-        row["footprint_gib"] = row["peak_gib"] + row["held_gib"] + (row.get("pool_free_gib") or 0.0)
+        pools_free = (row.get("pool_free_gib") or 0.0) + (row.get("inductor_pool_free_gib") or 0.0)
+        row["footprint_gib"] = row["peak_gib"] + row["held_gib"] + pools_free
     return row
 
 
@@ -491,6 +492,10 @@ def sweep(args) -> None:
                     row["pool_free_gib"] = pool_free_gib(captures) if on_gpu else None
                 if on_gpu:  # Inductor's CUDA graphs so far in this process (a row that should replay them reads it)
                     row["inductor_graphs"], row["inductor_graph_skips"] = stack_graphs.cuda_graphs_recorded()
+                stacks = (getattr(trainers.get(method), "backbone_stacks", None) or {}).values()
+                if on_gpu and any(stack.graphs for stack in stacks):  # the process's graph pool: this row's graphs
+                    pool, free = stack_graphs.cuda_graph_pool(torch.cuda.current_device())
+                    row["inductor_pool_gib"], row["inductor_pool_free_gib"] = pool / 2**30, free / 2**30
                 rows.append(with_footprint(with_measurement(row, measured)))
                 print(json.dumps(row), flush=True)
             path.write_text(json.dumps({"versions": versions, "date": date, "rows": rows}, indent=1))

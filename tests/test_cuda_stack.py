@@ -30,6 +30,8 @@ def test_packed_step_on_the_stack_equals_trl_on_the_gpu(tmp_path, reentrant, gra
     assert trainer.packing_refused == "" and trainer.packed_attention == "varlen"
     recorded, skips = stack_graphs.cuda_graphs_recorded(torch.cuda.current_device())
     assert (recorded > 0, skips - skipped) == (graphs, 0), "the stack's calls were not replayed as CUDA graphs"
+    pool, free = stack_graphs.cuda_graph_pool(torch.cuda.current_device())
+    assert not graphs or (pool > 0 and 0 <= free <= pool), (pool, free)
 
 
 @pytest.mark.usefixtures("fresh_compiler")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compiled_grpo.integrations.trl import stack_graphs
@@ -26,3 +27,11 @@ def test_grads_outside_graphs_fills_only_missing_grads_of_trained_parameters():
     assert torch.equal(trained.grad, torch.zeros(2, 2)) and frozen.grad is None and accumulated.grad is kept
     (trained * 3.0).sum().backward()  # autograd adds into the buffer in place
     assert torch.equal(trained.grad, torch.full((2, 2), 3.0))
+
+
+def test_no_graph_pool_where_no_graph_was_recorded():
+    """On a machine that recorded no CUDA graph (the CPU) the pool is empty; the GPU test reads a pool where the stack
+    replayed graphs."""
+    if torch.cuda.is_available():
+        pytest.skip("this process may have recorded graphs on the GPU")
+    assert stack_graphs.cuda_graph_pool() == (0, 0)

@@ -46,3 +46,18 @@ def cuda_graphs_recorded(device_index: int = 0) -> tuple[int, int]:
         recorded += 1
         pending += [child for children in pending.pop().children.values() for child in children]
     return recorded, torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def cuda_graph_pool(device_index: int = 0) -> tuple[int, int]:
+    """(bytes the allocator's segments of the device's CUDA-graph trees' pool hold, of which no live tensor uses):
+    the graphs' memory, which the step's allocated peak counts only while its tensors are alive; (0, 0) where no
+    graph was recorded."""
+    from torch._inductor import cudagraph_trees
+
+    from compiled_grpo.capture import pool_segments
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    if manager is None:
+        return 0, 0
+    segments = pool_segments(manager.cuda_graphs_thread_pool)
+    return sum(s["total_size"] for s in segments), sum(s["total_size"] - s["allocated_size"] for s in segments)
