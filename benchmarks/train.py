@@ -11,8 +11,9 @@ random model's next-token distribution is nearly uniform, so the model declares 
 group has a spread and trains). Per optimizer step: the wall clock (between the ends of consecutive steps),
 generation (TRL's `_generate_single_turn`, synchronized), the rest of the step (rewards, old log-probs, the loss's
 forwards and backwards, the optimizer), graphs dynamo compiled during generation, the mean completion length; per
-run: the peak memory, and the GPU's busy time of one more step under the profiler (its kernels' time, each counted
-once). The first two steps (compiling) are reported apart from the median of the rest.
+run: the peak memory (allocated, and reserved: CUDA graphs' pools whole), and the GPU's busy time of one more step
+under the profiler (its kernels' time, each counted once). The first two steps (compiling) are reported apart from
+the median of the rest.
 
     python -m benchmarks.train --model 1.5B [--rows grpo,grpo-compiled-decoding,default,eager-generation]
         [--steps 10] [--warm] [--workload mixed|long] [--out benchmark-results]
@@ -214,6 +215,8 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> d
         "shared_prompt_tokens": statistics.mean(shared) if shared else 0.0,
         "busy_step_s": clock.steps[steps]["wall_s"] if on_gpu and len(clock.steps) > steps else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        # what the allocator held at most: CUDA graphs' pools (compiled decoding's, the stack's) free parts included
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if on_gpu else None,
         "compile_generation": getattr(trainer, "compile_generation", None),
         "generation_fallback": compiles.fallback if compiles else None,
         "generation_cache_lengths": [length for length, _, _ in compiles.compiles] if compiles else None,
@@ -294,7 +297,7 @@ def summary_lines(rows: list[dict]) -> str:
     lines = [
         "| model | machine | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one "
         "step (s) | first two steps (s) | longest later step / median | generation graphs (first two steps + later) "
-        "| peak GiB | mean completion | prompt tokens shared, per micro-batch |",
+        "| peak GiB (allocated, reserved) | mean completion | prompt tokens shared, per micro-batch |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, machine in dict.fromkeys(map(run_of, rows)):
@@ -309,6 +312,8 @@ def summary_lines(rows: list[dict]) -> str:
             speed = f"{base['median_s'] / s['median_s']:.2f}x" if base else "-"
             busy = f"{row['busy_ms'] / 1e3:.2f} of {row['busy_step_s']:.2f}" if row.get("busy_ms") else "-"
             peak = f"{row['peak_gib']:.2f}" if row.get("peak_gib") is not None else "-"
+            if row.get("peak_reserved_gib") is not None:
+                peak += f" ({row['peak_reserved_gib']:.2f} reserved)"
             lines.append(
                 f"{model_cell} {s['median_s']:.2f} | {speed} | {s['generation_s']:.2f} | "
                 f"{s['rest_s']:.2f} | {busy} | {s['first_two_s']:.1f} | {s['longest_later_s'] / s['median_s']:.2f} | "
