@@ -259,11 +259,13 @@ def test_auto_falls_back_to_regional_layers_where_the_stack_refuses_the_model(tm
     assert_same((*ours[:2], {k: v for k, v in ours[2].items() if not k.startswith("shared_prompts/")}), theirs)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
-def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch, attention):  # noqa: F811
+@pytest.mark.parametrize("attention, mode", [("sdpa", "stack"), ("varlen", "stack"), ("sdpa", "stack-graphs")])
+def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch, attention, mode):  # noqa: F811
     """`train()` (gradient checkpointing on, which TRL switches off and on around each generation) on the stack; on
     varlen attention (a masked SDPA standing in for it on the CPU) its groups share their prompts, every kind of
-    call captured whole."""
+    call captured whole. As "stack-graphs" sets it up (Inductor records no CUDA graph on the CPU): `.grad` buffers
+    made before each step's first forward take two accumulated micro-batches' gradients, and calls without grad
+    hand on copies."""
     import varlen_masked
 
     varlen_masked.install(monkeypatch)
@@ -272,8 +274,9 @@ def test_train_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root, monkeypatch,
     with pytest.warns(regional_compile.BackboneNotice):
         losses, grads, trainer = train(tmp_path, CompiledGRPOTrainer, "eager", False, padding_free="pack",
                                        packed_attention=attention, skip_zero_advantage=False,
-                                       compile_backbone="stack")  # fmt: skip
+                                       compile_backbone=mode)  # fmt: skip
     assert trainer.packed_shapes.fixed and set(trainer.backbone_stacks) and packed_share(trainer) > 0.5 and calls
+    assert all(stack.graphs == (mode == "stack-graphs") for stack in trainer.backbone_stacks.values())
     assert all(stack.one_by_one == {} for stack in trainer.backbone_stacks.values())
     saved = trainer.state.log_history[0].get("shared_prompts/saved_tokens", 0.0)
     assert attention != "varlen" or (trainer.sharing_refused == "" and saved > 0), (trainer.sharing_refused, saved)
