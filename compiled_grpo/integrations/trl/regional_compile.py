@@ -85,6 +85,7 @@ def stack_layers(trainer, models: list) -> None:
     why_not = "an engine shards the parameters" if trainer.shards_parameters else None
     if mode != "pack":
         why_not = f"it runs packed forwards as one call, and micro-batches are not packed here (they run {mode!r})"
+    graphs = trainer.compile_backbone == "stack-graphs"
     for model in models:
         layers = repeated_layers(model)
         why_not = why_not or compiled_stack.check(model, layers)
@@ -92,7 +93,6 @@ def stack_layers(trainer, models: list) -> None:
             say(f"compile_backbone={trainer.backbone_asked!r}: {why_not}; the layers are compiled by region alone")
             trainer.backbone_stacks = {}
             return
-        graphs = trainer.compile_backbone == "stack-graphs"
         trainer.backbone_stacks[id(model)] = compiled_stack.Stack(layers, say, graphs=graphs)
 
 

@@ -1,9 +1,8 @@
 """What the stack's calls need to be replayed as CUDA graphs (`compile_backbone="stack-graphs"`, what "auto" runs on a
-GPU where micro-batches are packed): Inductor's CUDA-graph
-trees start a new generation at every call of a compiled function, unless a forward's backward is pending, and a new
-generation frees the last one's outputs (their memory is the graphs' pool, which the next replays overwrite). On an
-H100 (torch 2.11, Qwen2.5-1.5B's shapes: 7 calls per forward, 4 micro-batches per optimizer step) a step read such a
-freed output in two places, each met here:
+GPU where micro-batches are packed): Inductor's CUDA-graph trees start a new generation at every call of a compiled
+function, unless a forward's backward is pending, and a new generation frees the last one's outputs (their memory is
+the graphs' pool, which the next replays overwrite). On an H100 (torch 2.11, Qwen2.5-1.5B's shapes: 7 calls per
+forward, 4 micro-batches per optimizer step) a step read such a freed output in two places, each met here:
 
 - a forward without grad (the first-use checks, rows at advantage 0, old and reference log-probabilities) hands a
   group's output to the next group's call, which frees it before reading it: the stack keeps a copy of its own
@@ -13,13 +12,15 @@ freed output in two places, each met here:
   before a forward with grad (`grads_outside_graphs`, zeros: the sums stay exact) take the gradients instead.
 
 With both, that step ran (and GPU tests of several calls per forward, a forward without grad and accumulated
-micro-batches equal GRPOTrainer's steps), its wall clock 1.06-1.14x the GPU's busy time (docs/performance.md).
+micro-batches equal GRPOTrainer's steps), its wall clock 1.01-1.14x the GPU's busy time (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
+
+from compiled_grpo.capture import pool_segments
 
 
 def own_outputs(out):
@@ -53,8 +54,6 @@ def cuda_graph_pool(device_index: int = 0) -> tuple[int, int]:
     the graphs' memory, which the step's allocated peak counts only while its tensors are alive; (0, 0) where no
     graph was recorded."""
     from torch._inductor import cudagraph_trees
-
-    from compiled_grpo.capture import pool_segments
 
     manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
     if manager is None:
