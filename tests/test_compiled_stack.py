@@ -330,6 +330,26 @@ def test_the_first_layer_gets_an_input_with_grad_and_layers_trained_differently_
         layers[0](torch.randn(1, 4))
 
 
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_a_graphed_stack_without_grad_hands_on_copies_and_makes_no_grad_buffers(no_grad):
+    """As "stack-graphs" runs a forward without grad (no_grad, inference_mode), a layer a call: each call's output is
+    a copy (the next call may free the graphs' own), the layers' output is theirs, and no `.grad` is made."""
+    layers, stack = eager_linear_stack(3)
+    stack.graphs, stack.per_call = True, 1
+    x = torch.randn(2, 4)
+    outputs = []
+    stack.compiled = lambda *args, **kwargs: (
+        outputs.append(compiled_stack.through_layers(*args, **kwargs)) or outputs[-1]
+    )
+    with no_grad(), stack.running():
+        ours = layers[2](layers[1](layers[0](x)))
+    with no_grad():
+        theirs = layers[2](layers[1](layers[0](x)))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert len(outputs) == 3 and all(ours.data_ptr() != out.data_ptr() for out in outputs)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+
+
 def test_train_a_lora_adapter_on_the_stack_equals_grpo_trainer(tmp_path, tmp_root):  # noqa: F811
     """A PEFT model (LoRA on q and v inside each layer, everything else frozen alike in every layer)."""
     pytest.importorskip("peft", reason="peft is in the test extras")
