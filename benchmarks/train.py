@@ -46,6 +46,7 @@ ROWS = {
     "eager-generation": "CompiledGRPOTrainer, compile_generation=False",
     "default-noshare": "CompiledGRPOTrainer, share_prompts=False",
     "default-stack": 'CompiledGRPOTrainer, compile_backbone="stack"',
+    "default-graphs": 'CompiledGRPOTrainer, compile_backbone="stack-graphs"',
 }
 PROMPTS, GENERATIONS, MICRO_BATCH, ACCUMULATION = 4, 8, 8, 4
 LONG_PROMPT = 512  # `--workload long`: every prompt this long (a long system prompt, tool outputs)
@@ -194,7 +195,8 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> d
     )  # fmt: skip
     cls = GRPOTrainer if row.startswith("grpo") else CompiledGRPOTrainer
     options = {"eager-generation": {"compile_generation": False}, "default-noshare": {"share_prompts": False},
-               "default-stack": {"compile_backbone": "stack"}}  # fmt: skip
+               "default-stack": {"compile_backbone": "stack"},
+               "default-graphs": {"compile_backbone": "stack-graphs"}}  # fmt: skip
     trainer = cls(model=model, reward_funcs=even_share, args=args, train_dataset=dataset(vocab, steps + 1, 0, workload),
                   processing_class=tokenizer(vocab), **options.get(row, {}))  # fmt: skip
     if row == "grpo-compiled-decoding":  # what a user can do by hand: TRL's own config, compiling allowed

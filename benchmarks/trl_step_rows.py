@@ -128,14 +128,16 @@ TRAINERS = {  # name: (trainer, its options)
     # trainer rounds up to `packed_bucket`); a warm-up that fails is reported in the row, a later failure ends the
     # run, so it runs in a process of its own
     "auto-cudagraphs": (CompiledGRPOTrainer, {"inductor": {"triton.cudagraphs": True}}),
-    # the stack replayed as CUDA graphs (what "auto" runs on a GPU where micro-batches are packed), named
+    # the stack replayed as CUDA graphs (a graph per shape; the benchmark's repeated batches replay them), with and
+    # without shared prompts
     "stack-graphs": (CompiledGRPOTrainer, {"compile_backbone": "stack-graphs"}),
+    "noshare-graphs": (CompiledGRPOTrainer, {"compile_backbone": "stack-graphs", "share_prompts": False}),
 }
 DEFAULT_TRAINERS = "grpo,auto,uncaptured,memory"
 LABELS = {
     "grpo": "GRPOTrainer",
     "grpo-wait": "GRPOTrainer, one host wait where its head starts",
-    "auto": "CompiledGRPOTrainer (defaults: the grouped compiled stack as CUDA graphs on a GPU)",
+    "auto": "CompiledGRPOTrainer (defaults: the grouped compiled stack on a GPU)",
     "uncaptured": "CompiledGRPOTrainer auto, uncaptured",
     "memory": "CompiledGRPOTrainer memory",
     "roomy": "CompiledGRPOTrainer auto, 6 GiB budget",
@@ -177,5 +179,6 @@ LABELS = {
     "auto-cpp-wrapper": "CompiledGRPOTrainer auto, layers compiled with Inductor's C++ wrapper",
     "auto-cudagraphs": "CompiledGRPOTrainer auto, layers compiled as CUDA graphs",
     "stack-graphs": "CompiledGRPOTrainer, compile_backbone='stack-graphs'",
+    "noshare-graphs": "CompiledGRPOTrainer, compile_backbone='stack-graphs', share_prompts=False",
 }
 BOUND = "floor: backbone alone, trivial loss"  # drawn as the floor line

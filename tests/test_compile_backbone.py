@@ -209,7 +209,7 @@ def test_compile_backbone_takes_auto_graphs_or_a_bool(tmp_path):
 
 def test_auto_compiles_on_a_gpu_where_no_engine_shards_the_parameters():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert regional_compile.effective_mode("auto", cuda, shards_parameters=False) == "stack-graphs"
+    assert regional_compile.effective_mode("auto", cuda, shards_parameters=False) == "stack"
     assert regional_compile.effective_mode("auto", cuda, shards_parameters=False, deepspeed=True) is True
     assert regional_compile.effective_mode("auto", cuda, shards_parameters=True) is False
     assert regional_compile.effective_mode("auto", cpu, shards_parameters=False) is False

@@ -1,7 +1,7 @@
 """On a GPU (skipped elsewhere): `compile_backbone="stack"` (a packed forward's decoder layers as a few compiled calls
 on fixed capacities) on torch's varlen FlashAttention, bf16 autocast, checkpointed both ways: three steps each equal
 GRPOTrainer's padded step on eager layers to bf16 rounding (loss, every gradient), the stack having run, its calls
-compiled plainly or replayed as CUDA graphs (`"stack-graphs"`, the default there: graphs recorded, none skipped)."""
+compiled plainly or replayed as CUDA graphs (`"stack-graphs"`: graphs recorded, none skipped)."""
 
 from __future__ import annotations
 

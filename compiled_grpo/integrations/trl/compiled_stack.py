@@ -1,5 +1,5 @@
-"""The decoder layers of a packed forward run as a few compiled calls (`compile_backbone="stack"`; "stack-graphs",
-the default on a GPU, replays the calls as CUDA graphs: `stack_graphs`).
+"""The decoder layers of a packed forward run as a few compiled calls (`compile_backbone="stack"`, the default on a
+GPU; "stack-graphs" replays the calls as CUDA graphs: `stack_graphs`).
 
 Compiled by region, a checkpointed step calls 28 compiled layers three times each per micro-batch (forward,
 recomputation, backward), each call paying the host's cost of a compiled call (guards, AOTAutograd's wrappers,

@@ -18,12 +18,13 @@ layer's output that a later replay of Inductor's CUDA-graph trees had overwritte
 `compile_backbone="stack"` compiles the layers so too, and runs a packed forward's layers as a few compiled calls
 (groups of layers) on those fixed capacities (`compiled_stack`), where a model's layers can run so (else it says why
 and compiles them by region alone).
-`compile_backbone="stack-graphs"` replays the stack's calls as CUDA graphs (`stack_graphs`).
-`compile_backbone="auto"` (the default) runs the stack replayed as CUDA graphs on a GPU where no engine shards the
-parameters (by region under DeepSpeed ZeRO-2, and where the step is not packed; measured on an H100, Qwen2.5 shapes,
-checkpointed optimizer steps: the graphed stack 2.67x GRPOTrainer's step at 1.5B, the stack alone 2.65x, by region
-2.1x, docs/performance.md); ZeRO-3 and FSDP run eagerly unless `compile_backbone=True`, and so does the CPU (a real
-model's layers take minutes to compile there).
+`compile_backbone="stack-graphs"` replays the stack's calls as CUDA graphs (`stack_graphs`): a graph per shape, so it
+pays where the shapes repeat; in `train()`, where each step packs new lengths, recording the new shapes' graphs
+costs more than the replays save over the first steps (docs/performance.md).
+`compile_backbone="auto"` (the default) runs the stack on a GPU where no engine shards the parameters (by region
+under DeepSpeed ZeRO-2, and where the step is not packed; measured on an H100, Qwen2.5 shapes, `train()` with its
+generation: 3.09x GRPOTrainer's optimizer step at 1.5B, 2.26x at 7B, docs/performance.md); ZeRO-3 and FSDP run
+eagerly unless `compile_backbone=True`, and so does the CPU (a real model's layers take minutes to compile there).
 """
 
 from __future__ import annotations
@@ -154,15 +155,15 @@ def checkpointing_asked(args) -> bool:
 
 
 def effective_mode(mode, device: torch.device, shards_parameters: bool, deepspeed: bool = False):
-    """What "auto" means here: on a GPU where no engine (ZeRO-3, FSDP) shards the parameters, the stack replayed as
-    CUDA graphs (`"stack-graphs"`: the fewest compiled calls, each one graph launch; measured fastest at 0.5B-7B,
-    docs/performance.md; where the step is not packed it compiles by region alone), by region under DeepSpeed
-    (ZeRO-2: the stack is not measured under its gradient hooks); nothing elsewhere."""
+    """What "auto" means here: on a GPU where no engine (ZeRO-3, FSDP) shards the parameters, the stack (`"stack"`:
+    the fewest compiled calls; where the step is not packed it compiles by region alone; not replayed as CUDA graphs,
+    whose recording of each new shape cost `train()` more than it saved, docs/performance.md), by region under
+    DeepSpeed (ZeRO-2: the stack is not measured under its gradient hooks); nothing elsewhere."""
     if mode != "auto":
         return mode
     if device.type != "cuda" or shards_parameters:
         return False
-    return True if deepspeed else "stack-graphs"
+    return True if deepspeed else "stack"
 
 
 def compile_trainer_backbone(trainer) -> None:

@@ -1,8 +1,9 @@
-"""What the stack's calls need to be replayed as CUDA graphs (`compile_backbone="stack-graphs"`, what "auto" runs on a
-GPU where micro-batches are packed): Inductor's CUDA-graph trees start a new generation at every call of a compiled
-function, unless a forward's backward is pending, and a new generation frees the last one's outputs (their memory is
-the graphs' pool, which the next replays overwrite). On an H100 (torch 2.11, Qwen2.5-1.5B's shapes: 7 calls per
-forward, 4 micro-batches per optimizer step) a step read such a freed output in two places, each met here:
+"""What the stack's calls need to be replayed as CUDA graphs (`compile_backbone="stack-graphs"`, chosen by name: a
+graph is recorded per shape, which pays where the shapes repeat): Inductor's CUDA-graph trees start a new generation
+at every call of a compiled function, unless a forward's backward is pending, and a new generation frees the last
+one's outputs (their memory is the graphs' pool, which the next replays overwrite).
+On an H100 (torch 2.11, Qwen2.5-1.5B's shapes: 7 calls per forward, 4 micro-batches per optimizer step) a step read
+such a freed output in two places, each met here:
 
 - a forward without grad (the first-use checks, rows at advantage 0, old and reference log-probabilities) hands a
   group's output to the next group's call, which frees it before reading it: the stack keeps a copy of its own
