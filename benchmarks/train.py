@@ -10,7 +10,8 @@ random model's next-token distribution is nearly uniform, so the model declares 
 95 tokens, a few at the limit. The reward is the share of a completion's tokens with an even id (noise, so every
 group has a spread and trains). Per optimizer step: the wall clock (between the ends of consecutive steps),
 generation (TRL's `_generate_single_turn`, synchronized), the rest of the step (rewards, old log-probs, the loss's
-forwards and backwards, the optimizer), graphs dynamo compiled during generation, the mean completion length; per
+forwards and backwards, the optimizer), graphs dynamo compiled during generation and outside it, CUDA graphs
+recorded (Inductor's CUDA-graph trees: the decode step's and a graphed stack's), the mean completion length; per
 run: the peak memory (allocated, and reserved: CUDA graphs' pools whole), and the GPU's busy time of one more step
 under the profiler (its kernels' time, each counted once). The first two steps (compiling) are reported apart from
 the median of the rest.
@@ -98,7 +99,8 @@ def model_for(name: str, device):
 
 
 class StepClock:
-    """Each optimizer step's wall clock (end to end), its generation time and the graphs compiled while generating."""
+    """Each optimizer step's wall clock (end to end), its generation time, the graphs compiled while generating and
+    outside it, and the CUDA graphs recorded (a graph recorded in a later step is a new shape met)."""
 
     def __init__(self, trainer, on_gpu: bool):
         import torch
@@ -107,6 +109,8 @@ class StepClock:
         from compiled_grpo.integrations.trl.regional_compile import compiled_graphs
 
         self.steps, self.generation, self.compiled, self.sync = [], 0.0, 0, torch.cuda.synchronize if on_gpu else None
+        self.on_gpu = on_gpu
+        self.counts = self.graph_counts()
         original = trainer._generate_single_turn
 
         def timed_generation(*args, **kwargs):
@@ -129,15 +133,25 @@ class StepClock:
             def on_step_end(self, *args, **kwargs):
                 clock.settle()
                 now = time.perf_counter()
+                counts = clock.graph_counts()
+                compiled, recorded = (after - before for after, before in zip(counts, clock.counts, strict=True))
                 clock.steps.append({"wall_s": now - clock.last, "generation_s": clock.generation,
-                                    "generation_graphs": clock.compiled})  # fmt: skip
-                clock.last, clock.generation, clock.compiled = now, 0.0, 0
+                                    "generation_graphs": clock.compiled, "training_graphs": compiled - clock.compiled,
+                                    "cuda_graphs": recorded})  # fmt: skip
+                clock.last, clock.generation, clock.compiled, clock.counts = now, 0.0, 0, counts
 
         trainer.add_callback(Ends())
 
     def settle(self) -> None:
         if self.sync is not None:
             self.sync()
+
+    def graph_counts(self) -> tuple[int, int]:
+        """(graphs dynamo compiled so far, CUDA graphs Inductor's trees hold on this GPU; 0 on the CPU)."""
+        from compiled_grpo.integrations.trl.regional_compile import compiled_graphs
+        from compiled_grpo.integrations.trl.stack_graphs import cuda_graphs_recorded
+
+        return compiled_graphs(), cuda_graphs_recorded()[0] if self.on_gpu else 0
 
 
 class BusyStep:
@@ -286,8 +300,15 @@ def summary(row: dict) -> dict | None:
         "first_two_s": steps[0]["wall_s"] + steps[1]["wall_s"], "longest_later_s": max(s["wall_s"] for s in later),
         "later_graphs": sum(s["generation_graphs"] for s in later),
         "first_graphs": sum(s["generation_graphs"] for s in steps[:2]),
+        "later_training_graphs": later_sum(later, "training_graphs"),
+        "later_cuda_graphs": later_sum(later, "cuda_graphs"),
         "mean_completion": statistics.mean(s.get("mean_completion", 0) for s in steps),
     }  # fmt: skip
+
+
+def later_sum(later: list[dict], key: str) -> int | None:
+    """The later steps' sum of `key`, None where the run was stored before it was counted."""
+    return sum(s[key] for s in later) if all(key in s for s in later) else None
 
 
 def run_of(row: dict) -> tuple[str, str]:
@@ -299,8 +320,9 @@ def summary_lines(rows: list[dict]) -> str:
     lines = [
         "| model | machine | run | median step (s) | speed-up | generation (s) | rest of the step (s) | GPU busy, one "
         "step (s) | first two steps (s) | longest later step / median | generation graphs (first two steps + later) "
+        "| graphs after the first two steps, outside generation (compiled, CUDA graphs recorded) "
         "| peak GiB (allocated, reserved) | mean completion | prompt tokens shared, per micro-batch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, machine in dict.fromkeys(map(run_of, rows)):
         mine = {r["row"]: r for r in rows if run_of(r) == (model, machine)}
@@ -309,7 +331,7 @@ def summary_lines(rows: list[dict]) -> str:
             s = summary(row)
             model_cell = f"| {model} | {machine} | {ROWS[name]} |"
             if s is None:
-                lines.append(f"{model_cell} {row.get('error', 'too few steps')} |" + " |" * 10)
+                lines.append(f"{model_cell} {row.get('error', 'too few steps')} |" + " |" * 11)
                 continue
             speed = f"{base['median_s'] / s['median_s']:.2f}x" if base else "-"
             busy = f"{row['busy_ms'] / 1e3:.2f} of {row['busy_step_s']:.2f}" if row.get("busy_ms") else "-"
@@ -319,10 +341,18 @@ def summary_lines(rows: list[dict]) -> str:
             lines.append(
                 f"{model_cell} {s['median_s']:.2f} | {speed} | {s['generation_s']:.2f} | "
                 f"{s['rest_s']:.2f} | {busy} | {s['first_two_s']:.1f} | {s['longest_later_s'] / s['median_s']:.2f} | "
-                f"{s['first_graphs']} + {s['later_graphs']} | {peak} | {s['mean_completion']:.0f} | "
+                f"{s['first_graphs']} + {s['later_graphs']} | {training_graphs(s)} | {peak} | "
+                f"{s['mean_completion']:.0f} | "
                 f"{row.get('shared_prompt_tokens', 0.0):.0f} |"
             )
     return "\n".join(lines)
+
+
+def training_graphs(s: dict) -> str:
+    """The later steps' graphs outside generation, "-" for runs stored before they were counted."""
+    if s["later_training_graphs"] is None:
+        return "-"
+    return f"{s['later_training_graphs']}, {s['later_cuda_graphs']}"
 
 
 def clip_at(ax, rows: list[dict], width: float) -> None:
