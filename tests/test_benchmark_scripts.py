@@ -170,9 +170,8 @@ def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them
     for row in rows:
         assert len(row["steps"]) == 3 and all(0 < s["generation_s"] < s["wall_s"] for s in row["steps"])
         assert all(s["mean_completion"] > 0 for s in row["steps"])
-        # GRPOTrainer compiles nothing outside generation (its compiled decoding's graphs are generation's)
+        # GRPOTrainer compiles nothing outside generation; no CUDA graph on the CPU
         assert all(s["training_graphs"] == 0 and s["cuda_graphs"] == 0 for s in row["steps"]), row["steps"]
-    assert sum(s["generation_graphs"] for s in rows[1]["steps"]) > 0
     other = json.loads((tmp_path / "train-tiny.json").read_text())  # the same runs as if on another machine
     other["versions"]["gpu"] = "another"
     (tmp_path / "other.json").write_text(json.dumps(other))
