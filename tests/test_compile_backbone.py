@@ -253,3 +253,28 @@ def test_the_graphed_stack_is_refused_under_deepspeed():
     trainer = types.SimpleNamespace(is_deepspeed_enabled=True, args=types.SimpleNamespace(gradient_checkpointing=True))
     with pytest.raises(ValueError, match="'stack-graphs' is not run under DeepSpeed.*choose compile_backbone='stack'"):
         regional_compile.configure(trainer, "stack-graphs")
+
+
+def test_a_graphed_stack_that_keeps_recording_says_so_once(monkeypatch):
+    """`regional_compile.watch_graph_recording`, once per generation batch: graphs recorded in the first batches are the
+    shapes' first meetings and pass silently; new graphs after them are said once, naming "stack"; a stack without
+    graphs, or off a GPU, reads no count."""
+    from compiled_grpo.integrations.trl import stack_graphs
+
+    counts = iter([10, 20, 25, 25, 30, 40])
+    monkeypatch.setattr(stack_graphs, "cuda_graphs_recorded", lambda device_index=0: (next(counts), 0))
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    watch = {"batches": 0, "recorded": 0, "said": False}
+    trainer = types.SimpleNamespace(compile_backbone="stack-graphs", graph_recording=watch, accelerator=gpu)
+    said = []
+    for _ in range(6):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            regional_compile.watch_graph_recording(trainer)
+        said.append([str(w.message) for w in caught if issubclass(w.category, regional_compile.BackboneNotice)])
+    assert [len(messages) for messages in said] == [0, 0, 0, 0, 1, 0], said
+    assert "5 new CUDA graphs" in said[4][0] and "generation batch 5" in said[4][0] and "'stack'" in said[4][0]
+    for mode, device in (("stack", torch.device("cuda", 0)), ("stack-graphs", torch.device("cpu"))):
+        other = types.SimpleNamespace(compile_backbone=mode, graph_recording=None,
+                                      accelerator=types.SimpleNamespace(device=device))  # fmt: skip
+        regional_compile.watch_graph_recording(other)  # reads nothing: `counts` is spent, `graph_recording` None

@@ -37,7 +37,7 @@ import torch
 import torch._dynamo.utils
 
 from ... import kernels
-from . import compiled_stack
+from . import compiled_stack, stack_graphs
 
 MODES = ("auto", "graphs", "stack", "stack-graphs", True, False)
 STACKS = ("stack", "stack-graphs")  # the modes that run a packed forward's layers as a few compiled calls
@@ -140,6 +140,7 @@ def configure(trainer, compile_backbone) -> None:
         compile_backbone, trainer.accelerator.device, trainer.shards_parameters, deepspeed
     )
     trainer.backbone_layers, trainer.backbone_timed, trainer.backbone_stacks = None, False, {}
+    trainer.graph_recording = {"batches": 0, "recorded": 0, "said": False}  # `watch_graph_recording`
 
 
 def graphs_refused() -> str:
@@ -256,3 +257,23 @@ def backward_compiled_with_forward():
     if not hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):  # torch before it had the option
         return contextlib.nullcontext()
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+
+
+# generation batches: a run whose micro-batches take few shapes has recorded its graphs by then
+GRAPHS_SETTLED_AFTER = 2
+
+
+def watch_graph_recording(trainer) -> None:
+    """Called once per generation batch: where the stack replays CUDA graphs on a GPU and graphs are still being
+    recorded after the first `GRAPHS_SETTLED_AFTER` batches (each step's micro-batches bring new shapes, and recording
+    costs more than the replays save), said once, with the count and the mode to choose instead."""
+    if trainer.compile_backbone != "stack-graphs" or trainer.accelerator.device.type != "cuda":
+        return
+    watch = trainer.graph_recording
+    recorded, _ = stack_graphs.cuda_graphs_recorded(trainer.accelerator.device.index or 0)
+    new, watch["recorded"], watch["batches"] = recorded - watch["recorded"], recorded, watch["batches"] + 1
+    if new and watch["batches"] > GRAPHS_SETTLED_AFTER + 1 and not watch["said"]:
+        watch["said"] = True
+        say(f"compile_backbone='stack-graphs': {new} new CUDA graphs recorded in the steps before generation batch "
+            f"{watch['batches']}: the micro-batches keep bringing new shapes, whose recording costs more than their "
+            "replays save; compile_backbone='stack' (the default) runs the same stack without graphs")  # fmt: skip

@@ -32,15 +32,14 @@ MODEL_EXTRA_INPUTS = (
 
 
 class CompiledGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come
-    from `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
-    `logits_budget_bytes`...) are passed to `FusedLinearGRPOLoss`; everything else is TRL's. Unless
-    `loss_options` sets it, the lm_head's workspace is bounded by what TRL's own head would hold
-    (`trainer_budget`), so an uncaptured step's peak stays under GRPOTrainer's. On a GPU, up to hidden size 2048,
-    the loss's calls are captured as CUDA graph replays (`captures_by_default`; `loss_options={"capture": False}`
-    turns it off, `True` on at any size), their graphs' memory pool inside that budget (the graphs' static buffers
-    and the pool's free part are held between steps: docs/performance.md). Metrics are kept as tensors and read
-    back when logged: a step does not wait on the GPU for them."""
+    """GRPOTrainer whose `_compute_loss` is compiled_grpo's fused loss, and whose old and reference log-probs come from
+    `fused_linear_logprobs` (`compiled_fused_head`). `compiled`, `schedule` and `loss_options` (tile sizes,
+    `logits_budget_bytes`...) go to `FusedLinearGRPOLoss`; everything else is TRL's. Unless `loss_options` sets it, the
+    lm_head's workspace is bounded by what TRL's own head would hold (`trainer_budget`), so an uncaptured step's peak
+    stays under GRPOTrainer's. On a GPU, up to hidden size 2048, the loss's calls are captured as CUDA graph replays
+    (`captures_by_default`; `loss_options={"capture": False}` turns it off, `True` on at any size), their pool inside
+    that budget (its static buffers and free part held between steps: docs/performance.md). Metrics stay tensors until
+    logged: a step does not wait on the GPU for them."""
 
     def __init__(self, *args, compiled: bool = True, schedule: str = "auto", loss_options: dict | None = None,
                  skip_zero_advantage="auto", padding_free="auto", packed_attention="auto", packed_bucket: int = 256,
@@ -92,6 +91,7 @@ class CompiledGRPOTrainer(GRPOTrainer):
         fresh = self._buffered_inputs is not buffered and self.model.training
         if not fresh or any(inputs.get(k) is not None for k in MODEL_EXTRA_INPUTS):
             return inputs
+        regional_compile.watch_graph_recording(self)  # once per generation batch
         if regroup.applies(self):
             self._buffered_inputs = regroup.regroup(self, self._buffered_inputs)
         # each micro-batch's plan (its rows at 0, its real tokens), found once
