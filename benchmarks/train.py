@@ -48,6 +48,7 @@ ROWS = {
     "default-noshare": "CompiledGRPOTrainer, share_prompts=False",
     "default-stack": 'CompiledGRPOTrainer, compile_backbone="stack"',
     "default-graphs": 'CompiledGRPOTrainer, compile_backbone="stack-graphs"',
+    "default-deferred": "CompiledGRPOTrainer, the decoding's stop decided one step late (rollouts.DEFERRED_STOP_CHECK)",
 }
 PROMPTS, GENERATIONS, MICRO_BATCH, ACCUMULATION = 4, 8, 8, 4
 LONG_PROMPT = 512  # `--workload long`: every prompt this long (a long system prompt, tool outputs)
@@ -215,6 +216,10 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> d
                   processing_class=tokenizer(vocab), **options.get(row, {}))  # fmt: skip
     if row == "grpo-compiled-decoding":  # what a user can do by hand: TRL's own config, compiling allowed
         trainer.generation_config.disable_compile = False
+    if row == "default-deferred":  # this row's process only
+        from compiled_grpo.integrations.trl import rollouts
+
+        rollouts.DEFERRED_STOP_CHECK = True
     clock = StepClock(trainer, on_gpu)
     busy = BusyStep(trainer, steps + 1) if on_gpu else None
     if on_gpu:

@@ -212,3 +212,50 @@ def test_the_cache_is_pinned_to_the_longest_prompts_bucket():
     assert rollouts.cache_length(trainer, [[1] * 20, [1] * 300]) == 612
     trainer.cache_floor = 1000  # a user's max_cache_len
     assert rollouts.cache_length(trainer, [[1] * 20]) == 1000
+
+
+def decode(model, ids, deferred: bool, **settings):
+    """transformers' generation on a static cache from one seed, the stop decided one step late where `deferred`."""
+    torch.manual_seed(7)
+    with rollouts.deferred_stop_check(deferred):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="static", pad_token_id=0,
+                              **settings)  # fmt: skip
+
+
+class HostEvent:
+    """`torch.Event` where the CPU has none: its work is done when issued, so nothing is waited for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_the_deferred_stop_check_returns_the_same_tokens(monkeypatch, sample):
+    """`rollouts.deferred_stop_check` (on the CPU as on a GPU, a stand-in event): transformers stops one decode step
+    late on a static cache and undoes that step, so greedy and seeded sampled tokens equal its usual decoding, where
+    every sequence ends early (one more step run and undone) and where the length limit ends them; outside the block,
+    and with the switch off, transformers decides as before (not on a CPU)."""
+    from transformers.generation import utils as generation
+
+    monkeypatch.setattr(rollouts, "DEFERRED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "Event", HostEvent)
+    undone, finish = [], generation.DeferredStopCheck.finish
+    monkeypatch.setattr(generation.DeferredStopCheck, "finish", lambda self: undone.append(finish(self)) or undone[-1])
+    model = varied_model(seed=3)
+    ids = (torch.tensor(prompts(12, seed=4)[0]).repeat(6, 1) + torch.arange(6)[:, None]) % (len(VOCAB) - 3) + 3
+    for ends, limit in (([1, *range(3, len(VOCAB), 4)], 40), ([1], 6)):  # a quarter of the tokens end: all end early
+        settings = dict(max_new_tokens=limit, do_sample=sample, eos_token_id=ends)
+        before = len(undone)
+        usual = decode(model, ids, deferred=False, **settings)
+        assert len(undone) == before  # transformers itself defers on Apple's GPUs only
+        deferred = decode(model, ids, deferred=True, **settings)
+        assert torch.equal(deferred, usual), (deferred, usual)
+        assert undone[-1] == (1 if usual.shape[1] < ids.shape[1] + limit else 0), (undone, usual.shape)
+    assert undone == [1, 0]  # the first case ended early, the second at its limit
+    assert generation.DeferredStopCheck.is_supported(torch.device("cpu"), None, False, is_assistant=False) is False

@@ -1,7 +1,8 @@
 """On a GPU (skipped elsewhere): `compile_generation="auto"` compiles TRL's decoding (transformers' decode step as
 CUDA graphs). `train()` with every default (compiled layers, gradient checkpointing) over 10 steps of prompts of
 5-250 tokens compiles the decode step once (one prompt bucket) and never again; in float32 (TF32 off) its greedy
-tokens equal TRL's eager generation over prompts of varied lengths, and its seeded sampled tokens too."""
+tokens equal TRL's eager generation over prompts of varied lengths, and its seeded sampled tokens too, with the stop
+decided per step as transformers does on a GPU or one step late (`rollouts.DEFERRED_STOP_CHECK`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_cuda_padding_free import QWEN_SHAPES, QWEN_VOCAB, word_tokenizer
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from compiled_grpo.integrations.trl import CompiledGRPOTrainer, regional_compile
+from compiled_grpo.integrations.trl import CompiledGRPOTrainer, regional_compile, rollouts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 STEPS = 10
@@ -65,8 +66,11 @@ def float32_generator(tmp_path, cls, greedy: bool):
     )
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_float32_tokens_equal_eager_generation(tmp_path, greedy):
+def test_float32_tokens_equal_eager_generation(tmp_path, greedy, deferred, monkeypatch):
+    """Also with the stop decided one step late (`rollouts.DEFERRED_STOP_CHECK`): the extra step is undone."""
+    monkeypatch.setattr(rollouts, "DEFERRED_STOP_CHECK", deferred)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
     ours = float32_generator(tmp_path / "ours", CompiledGRPOTrainer, greedy)
     theirs = float32_generator(tmp_path / "theirs", GRPOTrainer, greedy)

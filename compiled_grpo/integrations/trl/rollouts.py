@@ -18,10 +18,16 @@ and the cache is left to the trainer (`cache_implementation` None or "static"). 
 runs (the CPU too: Inductor's C++ kernels, no CUDA graphs); `False` keeps TRL's eager generation. Where compiling
 fails, generation falls back to TRL's eager configuration for the rest of the run, with the reason said once.
 Sampling is untouched: transformers' logits processors and sampler run outside the compiled call on its logits.
+
+transformers reads whether every sequence has finished after each decode step, which makes the host wait for the
+GPU once per token; its own `DeferredStopCheck` reads it one step late instead (one more decode step, which it
+undoes: the tokens returned are the same), but only on Apple's GPUs. `DEFERRED_STOP_CHECK = True` turns it on for
+compiled decoding on CUDA too (`deferred_stop_check`), where the cache is not returned (TRL's `generate` call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -31,6 +37,8 @@ import torch
 from ... import kernels
 from .regional_compile import compiled_graphs as graphs
 
+DEFERRED_STOP_CHECK = False  # transformers' deferred stop check on CUDA (not yet measured there)
+DEFERRED_DEVICES = ("cuda",)
 PROMPT_BUCKET_FLOOR = 256  # the smallest prompt bucket: prompts of up to 256 tokens share one cache length
 COMPILE_ERRORS = (
     torch._dynamo.exc.BackendCompilerFailed,
@@ -131,12 +139,39 @@ def generate(trainer, run, prompt_ids: list):
     config.max_cache_len = cache_length(trainer, prompt_ids)
     before, start = graphs(), time.perf_counter()
     try:
-        result = run()
+        with deferred_stop_check(DEFERRED_STOP_CHECK):
+            result = run()
     except COMPILE_ERRORS as error:
         fall_back(trainer, error)
         return run()
     record(trainer, (len(prompt_ids), config.max_cache_len), graphs() - before, time.perf_counter() - start)
     return result
+
+
+@contextlib.contextmanager
+def deferred_stop_check(on: bool):
+    """Inside the block (where `on`) transformers decides to stop decoding one step late on `DEFERRED_DEVICES` as
+    on Apple's GPUs (`DeferredStopCheck`: no host wait per token), where the cache is not handed back to the caller
+    (then it has nothing to roll back) and no assistant model decodes; elsewhere, and without the class
+    (transformers before it), as transformers decides."""
+    from transformers.generation import utils as generation
+
+    check = getattr(generation, "DeferredStopCheck", None)
+    if not on or check is None:
+        yield
+        return
+    stored, own = check.__dict__["is_supported"], check.is_supported
+
+    def is_supported(device, cache, cache_is_returned, is_assistant=False):
+        if device.type in DEFERRED_DEVICES and not cache_is_returned and not is_assistant:
+            return True
+        return own(device, cache, cache_is_returned, is_assistant=is_assistant)
+
+    check.is_supported = staticmethod(is_supported)
+    try:
+        yield
+    finally:
+        check.is_supported = stored
 
 
 def drop_repeated_input_grad_hooks(model: torch.nn.Module) -> None:
