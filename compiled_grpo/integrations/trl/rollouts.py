@@ -38,7 +38,7 @@ from ... import kernels
 from .regional_compile import compiled_graphs as graphs
 
 DEFERRED_STOP_CHECK = False  # transformers' deferred stop check on CUDA (not yet measured there)
-DEFERRED_DEVICES = ("cuda",)
+DEFERRED_DEVICES = ("cuda",)  # where `DEFERRED_STOP_CHECK` turns it on (transformers' own choice: Apple's GPUs)
 PROMPT_BUCKET_FLOOR = 256  # the smallest prompt bucket: prompts of up to 256 tokens share one cache length
 COMPILE_ERRORS = (
     torch._dynamo.exc.BackendCompilerFailed,
