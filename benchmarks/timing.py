@@ -52,10 +52,12 @@ def wall_median_ms(fn, repeats: int, after=lambda: None) -> float:
     return statistics.median(times)
 
 
-def device_busy_ms(profiler) -> float:
+def device_busy_ms(profiler, keep=None) -> float:
     """The GPU's busy time (ms) a finished `torch.profiler.profile` saw: its device-side events (each kernel, copy and
-    set once, CUDA graphs' kernels included), not the host ops that launched them (counted twice otherwise)."""
+    set once, CUDA graphs' kernels included), not the host ops that launched them (counted twice otherwise); only
+    the events `keep` (a predicate) keeps, where given."""
     device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device = [e for e in device if keep is None or keep(e)]
     return sum(e.time_range.elapsed_us() for e in device) / 1e3
 
 

@@ -53,6 +53,7 @@ ROWS = {
 PROMPTS, GENERATIONS, MICRO_BATCH, ACCUMULATION = 4, 8, 8, 4
 LONG_PROMPT = 512  # `--workload long`: every prompt this long (a long system prompt, tool outputs)
 MAX_COMPLETION, EOS_SHARE = 256, 95  # one token in EOS_SHARE ends a completion
+GENERATION_RANGE = "train-benchmark.generation"
 
 
 def dataset(vocab: int, steps: int, seed: int = 0, workload: str = "mixed"):
@@ -117,8 +118,9 @@ class StepClock:
         def timed_generation(*args, **kwargs):
             self.settle()
             start, graphs = time.perf_counter(), compiled_graphs()
-            result = original(*args, **kwargs)
-            self.settle()
+            with torch.profiler.record_function(GENERATION_RANGE):  # where `BusyStep` finds the generation's kernels
+                result = original(*args, **kwargs)
+                self.settle()
             self.generation += time.perf_counter() - start
             self.compiled += compiled_graphs() - graphs
             return result
@@ -157,13 +159,15 @@ class StepClock:
 
 class BusyStep:
     """The GPU's busy time of one optimizer step (`step`), from the profiler's device-side events (each kernel, copy
-    and set counted once, CUDA graphs' kernels included)."""
+    and set counted once, CUDA graphs' kernels included), all of it and its generation's (the kernels that start
+    inside the generation's range, which ends with a synchronize). The host's activity is profiled too (for the
+    range), so that step's wall clock is a little longer than the others'."""
 
     def __init__(self, trainer, step: int):
         from transformers import TrainerCallback
 
         busy = self
-        self.ms, self.profiler = None, None
+        self.ms, self.generation_ms, self.profiler = None, None, None
 
         class Profile(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
@@ -177,7 +181,8 @@ class BusyStep:
     def start(self) -> None:
         import torch
 
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.__enter__()
 
     def stop(self) -> None:
@@ -188,6 +193,9 @@ class BusyStep:
         torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
         self.ms = device_busy_ms(self.profiler)
+        ranges = [e.time_range for e in self.profiler.events() if e.name == GENERATION_RANGE]
+        inside = lambda e: any(r.start <= e.time_range.start <= r.end for r in ranges)  # noqa: E731
+        self.generation_ms = device_busy_ms(self.profiler, inside) if ranges else None
 
 
 def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> dict:
@@ -232,7 +240,7 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> d
     shared = [e["shared_prompts/saved_tokens"] for e in trainer.state.log_history if "shared_prompts/saved_tokens" in e]
     return {
         "row": row, "model": label(model_name, workload), "steps": clock.steps[:steps],
-        "busy_ms": busy.ms if busy else None,
+        "busy_ms": busy.ms if busy else None, "generation_busy_ms": busy.generation_ms if busy else None,
         "shared_prompt_tokens": statistics.mean(shared) if shared else 0.0,
         "busy_step_s": clock.steps[steps]["wall_s"] if on_gpu and len(clock.steps) > steps else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
@@ -340,6 +348,8 @@ def summary_lines(rows: list[dict]) -> str:
                 continue
             speed = f"{base['median_s'] / s['median_s']:.2f}x" if base else "-"
             busy = f"{row['busy_ms'] / 1e3:.2f} of {row['busy_step_s']:.2f}" if row.get("busy_ms") else "-"
+            if row.get("generation_busy_ms") is not None:
+                busy += f" (generation {row['generation_busy_ms'] / 1e3:.2f})"
             peak = f"{row['peak_gib']:.2f}" if row.get("peak_gib") is not None else "-"
             if row.get("peak_reserved_gib") is not None:
                 peak += f" ({row['peak_reserved_gib']:.2f} reserved)"
@@ -423,7 +433,8 @@ def report(args) -> None:
         f"Machines (GPU, date of the run): {versions}. " + __doc__.split("\n\n")[1].replace("\n", " "),
         "",
         "`speed-up`: GRPOTrainer's median step over the row's. `GPU busy`: the device time of the step after the "
-        "timed ones, of that step's wall clock under the profiler. `generation graphs`: graphs dynamo compiled "
+        "timed ones, of that step's wall clock under the profiler (the generation's part in brackets, where measured). "
+        "`generation graphs`: graphs dynamo compiled "
         "while generating, in the first two steps and in the later ones (a later one is a recompile).",
         "",
         summary_lines(rows),
