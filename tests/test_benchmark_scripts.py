@@ -473,3 +473,25 @@ def test_the_trl_step_report_keeps_one_bound_row_per_shape():
         ("a", "grpo", None),
         ("b", BOUND, 3.0),
     ]
+
+
+def test_the_decoding_diagnostic_calls_generate_as_grpo_trainer_does():
+    """`benchmarks.diagnostics.decoding`'s prompts are left-padded to the longest (masked where padded) and its rows'
+    configs are TRL's sampling one, eager on a dynamic cache or compiled on a static cache pinned to the prompt
+    bucket + the new tokens; without a GPU it refuses to run (it times CUDA graphs), as it does an unknown row."""
+    import torch
+
+    from benchmarks.diagnostics import decoding
+
+    inputs = decoding.prompts(5, 1000, "cpu")
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    assert ids.shape == mask.shape and int(mask.sum(1).max()) == ids.shape[1] and bool(mask[:, -1].all())
+    assert bool(((ids == 0) == (mask == 0)).all()) and bool((mask.diff(dim=1) >= 0).all())  # padding on the left
+    eager, compiled = (decoding.generation_config(row, 64, 200) for row in ("eager", "compiled"))
+    assert eager.disable_compile and eager.cache_implementation is None and eager.do_sample
+    assert not compiled.disable_compile and compiled.cache_implementation == "static"
+    assert compiled.max_cache_len == 256 + 64 and compiled.compile_config.mode == "reduce-overhead"
+    for argv in (["--rows", "compiled,fast"], [] if not torch.cuda.is_available() else None):
+        if argv is not None:
+            with pytest.raises(SystemExit):
+                decoding.main(argv)
