@@ -495,37 +495,3 @@ def test_the_decoding_diagnostic_calls_generate_as_grpo_trainer_does():
         if argv is not None:
             with pytest.raises(SystemExit):
                 decoding.main(argv)
-
-
-def test_the_whole_step_decoding_bound_decodes_as_generate_does():
-    """The decoding diagnostic's `whole-step` loop (each token's forward, choice and finished flags one function) on
-    left-padded prompts and a static cache: greedy, it gives `generate`'s greedy tokens (float32, CPU), the rows that
-    end taking the pad token after their end token, so its time is a time of the same decoding."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    from benchmarks.diagnostics import decoding
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        pad_token_id=0,
-        eos_token_id=1,
-        initializer_range=1.0,
-    )  # fmt: skip  (wide weights: the tokens depend on the positions)
-    model = Qwen2ForCausalLM(config).eval()
-    inputs = decoding.prompts(4, 50, "cpu")
-    ends = (20, 15, 8, 49)  # each row meets one of them before the limit, so generate stops early
-    greedy = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=list(ends),
-                              cache_implementation="static", max_cache_len=256 + 12)  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(**inputs, generation_config=greedy)
-        got = decoding.whole_step_decode(model, inputs, 12, 256 + 12, greedy=True, ends=ends)
-    assert got.shape[1] > expected.shape[1]  # generate stopped early
-    assert torch.equal(got[:, : expected.shape[1]], expected), (got, expected)
-    assert bool((got[:, expected.shape[1] :] == 0).all())  # past generate's early stop: every row had ended

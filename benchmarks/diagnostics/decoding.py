@@ -6,9 +6,9 @@ Qwen2.5-shaped model with random bf16 weights. Rows, one process (the compiled r
   compiled: `compile_generation`'s (a static cache pinned to the prompt bucket + the new tokens, the decode step
     compiled with CUDA graphs);
   compiled-deferred: the same with "all finished?" read one step late (`rollouts.deferred_stop_check`);
-  whole-step: not transformers' loop but a bound on what a decoding loop could reach: each token's whole step (the
-    forward on the static cache, sampling from the softmax by an exponential race, the finished flags) one
-    compiled function replayed as a CUDA graph, the host reading nothing back (`whole_step_decode`).
+  loop: `compile_generation="loop"`'s decoding (`decoding_loop`): each token's whole step (the forward on the
+    static cache, the logits processors, the choice, the finished flags) one compiled function replayed as a CUDA
+    graph, "all finished?" read one step late.
 
 No token ends a sequence here (the end token is never sampled from a near-uniform distribution over 151936), so
 every call decodes `--new-tokens` steps. Per row: the wall clock per step (median of `--repeats` calls after two
@@ -32,8 +32,9 @@ import torch
 
 from benchmarks.timing import device_busy_ms
 
-ROWS = ("eager", "compiled", "compiled-deferred", "whole-step")
+ROWS = ("eager", "compiled", "compiled-deferred", "loop")
 TOP_HOST_OPS = 12
+LOOPS: dict = {}  # the loop row's compiled steps, kept between its calls
 
 
 def prompts(batch: int, vocab: int, device) -> dict:
@@ -66,72 +67,17 @@ def generation_config(row: str, new_tokens: int, width: int):
 
 def call(model, inputs: dict, config, row: str) -> int:
     """One synchronized decoding of `row`; the steps it decoded."""
+    from compiled_grpo.integrations.trl import decoding_loop
     from compiled_grpo.integrations.trl.rollouts import deferred_stop_check
 
     with torch.no_grad(), deferred_stop_check(row == "compiled-deferred"):
-        if row == "whole-step":
-            out = whole_step_decode(model, inputs, config.max_new_tokens, config.max_cache_len, WHOLE_STEPS)
+        if row == "loop":
+            out = decoding_loop.generate(model, LOOPS, config.max_cache_len, config, **inputs)
         else:
             out = model.generate(**inputs, generation_config=config)
     if out.is_cuda:
         torch.cuda.synchronize()
     return out.shape[1] - inputs["input_ids"].shape[1]
-
-
-def whole_step(model, cache, mask, greedy: bool):
-    """A decoding step as one function: the next tokens of the `[B]` last ones at `position` (each row's own) and
-    `cache_position` (the cache's slot), sampled from the softmax (an exponential race: the largest p / E with E
-    exponential, distributed as the softmax) or its argmax; the rows that had finished take `pad`; and the finished
-    flags (an end token) after it."""
-
-    def step(token, position, cache_position, unfinished, ends, pad):
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                    past_key_values=cache, cache_position=cache_position, use_cache=True)  # fmt: skip
-        probs = out.logits[:, -1].float().softmax(-1)
-        chosen = probs.argmax(-1) if greedy else (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-        chosen = torch.where(unfinished, chosen, pad)
-        return chosen, unfinished & ~torch.isin(chosen, ends)
-
-    return step
-
-
-WHOLE_STEPS: dict = {}  # (model, cache length, batch, greedy) -> its cache, mask and compiled step: compiled once
-
-
-def whole_step_decode(model, inputs: dict, new_tokens: int, cache_length: int, steps: dict | None = None,
-                      greedy: bool = False, ends=(1,), pad: int = 0) -> torch.Tensor:  # fmt: skip
-    """`new_tokens` tokens after the left-padded prompts, each step `whole_step` (compiled with CUDA graphs on a GPU,
-    kept in `steps` between calls), the prompt's forward (prefill) eager on the same static cache."""
-    from transformers import StaticCache
-
-    ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
-    batch, width = ids.shape
-    key, steps = (id(model), cache_length, batch, greedy), {} if steps is None else steps
-    if key not in steps:
-        cache = StaticCache(config=model.config, max_cache_len=cache_length)
-        mask = torch.ones(batch, cache_length, dtype=prompt_mask.dtype, device=ids.device)
-        step = whole_step(model, cache, mask, greedy)
-        steps[key] = (cache, mask, torch.compile(step, mode="reduce-overhead") if ids.is_cuda else step)
-    cache, mask, compiled = steps[key]
-    cache.reset()
-    mask.fill_(1)
-    mask[:, :width] = prompt_mask
-    positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                cache_position=torch.arange(width, device=ids.device), use_cache=True, logits_to_keep=1)  # fmt: skip
-    ends_t, pad_t = torch.tensor(ends, device=ids.device), torch.tensor(pad, device=ids.device)
-    probs = out.logits[:, -1].float().softmax(-1)
-    token = probs.argmax(-1) if greedy else (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-    unfinished, tokens = ~torch.isin(token, ends_t), [token]
-    position = positions[:, -1] + 1
-    for i in range(1, new_tokens):
-        if ids.is_cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        token, unfinished = compiled(token, position + (i - 1), torch.tensor([width + i - 1], device=ids.device),
-                                     unfinished, ends_t, pad_t)  # fmt: skip
-        token, unfinished = token.clone(), unfinished.clone()  # out of the graphs' pool, which the next step reuses
-        tokens.append(token)
-    return torch.cat([ids, torch.stack(tokens, 1)], 1)
 
 
 def measure(model, inputs: dict, row: str, new_tokens: int, repeats: int) -> dict:

@@ -35,6 +35,7 @@ import warnings
 import torch
 
 from ... import kernels
+from . import decoding_loop
 from .regional_compile import compiled_graphs as graphs
 
 DEFERRED_STOP_CHECK = False  # transformers' deferred stop check on CUDA (not yet measured there)
@@ -67,8 +68,8 @@ def say(message: str) -> None:
 
 
 def check_mode(compile_generation) -> None:
-    if not (compile_generation is True or compile_generation is False or compile_generation == "auto"):
-        raise TypeError(f"compile_generation: expected 'auto', True or False, got {compile_generation!r}")
+    if not (compile_generation is True or compile_generation is False or compile_generation in ("auto", "loop")):
+        raise TypeError(f"compile_generation: expected 'auto', True, False or 'loop', got {compile_generation!r}")
 
 
 def reason_not_to_compile(trainer, mode) -> str | None:
@@ -82,7 +83,7 @@ def reason_not_to_compile(trainer, mode) -> str | None:
     cache = trainer.args.cache_implementation
     if cache not in (None, "static"):
         return f"cache_implementation={cache!r} was chosen; compiled decoding needs the static cache"
-    if mode is True:
+    if mode is True or mode == "loop":
         return None
     if trainer.accelerator.device.type != "cuda":
         return "'auto' compiles on a GPU only (compile_generation=True compiles on the CPU too)"
@@ -100,6 +101,7 @@ def configure(trainer, mode) -> None:
     trainer.generation_compiles = GenerationCompiles()
     reason = reason_not_to_compile(trainer, mode)
     trainer.compile_generation = reason is None
+    trainer.generation_loops = {} if reason is None and mode == "loop" else None  # `decoding_loop`'s, kept per shape
     if reason is not None:
         trainer.generation_compiles.fallback = reason
         if mode is True:
@@ -139,13 +141,21 @@ def generate(trainer, run, prompt_ids: list):
     config.max_cache_len = cache_length(trainer, prompt_ids)
     before, start = graphs(), time.perf_counter()
     try:
-        with deferred_stop_check(DEFERRED_STOP_CHECK):
+        with deferred_stop_check(DEFERRED_STOP_CHECK), own_loop(trainer):
             result = run()
     except COMPILE_ERRORS as error:
         fall_back(trainer, error)
         return run()
     record(trainer, (len(prompt_ids), config.max_cache_len), graphs() - before, time.perf_counter() - start)
     return result
+
+
+def own_loop(trainer):
+    """Where the trainer decodes on `decoding_loop` ("loop"), its model's `generate` replaced inside the block."""
+    if getattr(trainer, "generation_loops", None) is None:
+        return contextlib.nullcontext()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return decoding_loop.replacing_generate(model, trainer.generation_loops, trainer.generation_config.max_cache_len)
 
 
 @contextlib.contextmanager
@@ -213,6 +223,6 @@ def fall_back(trainer, error: Exception) -> None:
     config.cache_implementation = trainer.args.cache_implementation
     config.disable_compile, config.max_cache_len, config.compile_config = True, None, None
     trainer.generation_kwargs["cache_implementation"] = trainer.args.cache_implementation
-    trainer.compile_generation = False
+    trainer.compile_generation, trainer.generation_loops = False, None
     trainer.generation_compiles.fallback = reason
     say(f"compile_generation: {reason}; generation runs eagerly from here")
