@@ -41,7 +41,7 @@ def reason_not_to_loop(config, processors: list, inputs: dict) -> str | None:
     """Why this call runs `generate` itself, or None where the loop decodes it."""
     if set(inputs) - {"input_ids", "attention_mask"}:
         return f"inputs beyond the ids and their mask ({sorted(set(inputs) - {'input_ids', 'attention_mask'})})"
-    if config.num_beams != 1 or config.return_dict_in_generate or config.stop_strings or config.max_time:
+    if (config.num_beams or 1) != 1 or config.return_dict_in_generate or config.stop_strings or config.max_time:
         return "beams, returned dicts, stop strings or a time limit"
     if config.pad_token_id is None or config.max_new_tokens is None:
         return "no pad token or no max_new_tokens"
