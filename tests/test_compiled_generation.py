@@ -168,9 +168,9 @@ def test_the_default_leaves_cpu_generation_as_trl_runs_it(tmp_path):
     assert trainer.generation_config.disable_compile and trainer.generation_config.cache_implementation is None
 
 
-def test_compile_generation_takes_auto_or_a_bool(tmp_path):
+def test_compile_generation_takes_auto_a_bool_or_loop(tmp_path):
     for bad in ("yes", 1, None):
-        with pytest.raises(TypeError, match="compile_generation: expected 'auto', True or False"):
+        with pytest.raises(TypeError, match="compile_generation: expected 'auto', True, False or 'loop'"):
             generator(tmp_path, CompiledGRPOTrainer, compile_generation=bad)
 
 
@@ -184,7 +184,7 @@ def stand_in(**settings):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["auto", True, False])
+@pytest.mark.parametrize("mode", ["auto", True, False, "loop"])
 def test_vllm_and_continuous_batching_are_left_as_trl_runs_them(mode):
     for settings in ({"use_vllm": True}, {"continuous": True}):
         trainer = stand_in(**settings)
@@ -203,6 +203,8 @@ def test_auto_compiles_on_a_gpu_on_the_transformers_path_only():
     assert "multimodal" in reason(stand_in(vlm=True), "auto")
     assert "needs the static cache" in reason(stand_in(cache="dynamic"), True)
     assert reason(stand_in(), False) == "compile_generation=False"
+    assert reason(stand_in(device="cpu", shards=True), "loop") is None  # asked for by name, as True
+    assert "left as TRL runs it" in reason(stand_in(use_vllm=True), "loop")
 
 
 def test_the_cache_is_pinned_to_the_longest_prompts_bucket():

@@ -23,6 +23,8 @@ transformers reads whether every sequence has finished after each decode step, w
 GPU once per token; its own `DeferredStopCheck` reads it one step late instead (one more decode step, which it
 undoes: the tokens returned are the same), but only on Apple's GPUs. `DEFERRED_STOP_CHECK = True` turns it on for
 compiled decoding on CUDA too (`deferred_stop_check`), where the cache is not returned (TRL's `generate` call).
+`compile_generation="loop"` compiles as `True` does and decodes on the trainer's own loop (`decoding_loop`: each
+token's whole step one compiled call) where it takes the call, the model's `generate` replaced during TRL's call.
 """
 
 from __future__ import annotations
