@@ -2,7 +2,9 @@
 CUDA graphs). `train()` with every default (compiled layers, gradient checkpointing) over 10 steps of prompts of
 5-250 tokens compiles the decode step once (one prompt bucket) and never again; in float32 (TF32 off) its greedy
 tokens equal TRL's eager generation over prompts of varied lengths, and its seeded sampled tokens too, with the stop
-decided per step as transformers does on a GPU or one step late (`rollouts.DEFERRED_STOP_CHECK`)."""
+decided per step as transformers does on a GPU or one step late (`rollouts.DEFERRED_STOP_CHECK`). On the trainer's
+own loop (`compile_generation="loop"`) greedy tokens equal TRL's eager ones, and `train()` runs on it compiling its
+step once per prompt bucket."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_train_with_every_default_compiles_generation_once_over_varied_prompts(t
     assert len(logged) == STEPS and all(e["grad_norm"] > 0 for e in logged)
 
 
-def float32_generator(tmp_path, cls, greedy: bool):
+def float32_generator(tmp_path, cls, greedy: bool, **options):
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
@@ -63,6 +65,7 @@ def float32_generator(tmp_path, cls, greedy: bool):
         args=args,
         train_dataset=Dataset.from_dict({"prompt": ["w5"] * 8}),
         processing_class=word_tokenizer(1000),
+        **options,
     )
 
 
@@ -85,3 +88,34 @@ def test_float32_tokens_equal_eager_generation(tmp_path, greedy, deferred, monke
         assert mine == trl, seed
     assert len(ours.generation_compiles.compiles) <= 1 and ours.generation_compiles.calls == 4
     assert hasattr(ours.model, "_compiled_call") and not hasattr(theirs.model, "_compiled_call")
+
+
+def test_float32_greedy_tokens_on_the_loop_equal_eager_generation(tmp_path):
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
+    ours = float32_generator(tmp_path / "ours", CompiledGRPOTrainer, True, compile_generation="loop")
+    theirs = float32_generator(tmp_path / "theirs", GRPOTrainer, True)
+    rng = random.Random(2)
+    for seed in range(4):
+        prompt_ids = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 200))] for _ in range(8)]
+        mine, _ = ours._generate_single_turn(prompt_ids, None, {}, 4)
+        trl, _ = theirs._generate_single_turn(prompt_ids, None, {}, 4)
+        assert mine == trl, seed
+    assert [key[1] for key in ours.generation_loops] == [256 + 24]  # one prompt bucket, one compiled step
+
+
+def test_train_on_the_loop(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN_SHAPES["0.5B"], vocab_size=QWEN_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=32, gradient_accumulation_steps=2, max_steps=4, bf16=True,
+                      logging_steps=1, report_to=[], save_strategy="no")  # fmt: skip
+    trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
+                                  completions], args=args, train_dataset=Dataset.from_dict({"prompt": prompts_text(
+                                  32, seed=0)}), processing_class=word_tokenizer(QWEN_VOCAB),
+                                  compile_generation="loop")  # fmt: skip
+    trainer.train()
+    assert [key[1] for key in trainer.generation_loops] == [256 + 32] and trainer.generation_compiles.fallback is None
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 4 and all(e["grad_norm"] > 0 for e in logged)
