@@ -92,7 +92,8 @@ def test_calls_the_loop_does_not_take_run_generate_itself(monkeypatch):
     loops: dict = {}
     with torch.no_grad():
         expected = model.generate(**inputs, generation_config=penalized)
-    assert torch.equal(decoding_loop.generate(model, loops, 64, penalized, **inputs), expected) and not loops
+    with pytest.warns(decoding_loop.LoopNotice, match="generate itself: logits processors .*RepetitionPenalty"):
+        assert torch.equal(decoding_loop.generate(model, loops, 64, penalized, **inputs), expected) and not loops
     merged, processors = decoding_loop.processors_and_config(model, penalized, inputs["input_ids"])
     reason = decoding_loop.reason_not_to_loop(merged, processors, inputs)
     assert "RepetitionPenaltyLogitsProcessor" in reason

@@ -20,10 +20,24 @@ stop strings, returned dicts, beams) runs `generate` itself (`reason_not_to_loop
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
+from ... import kernels
+
 SCORE_ONLY = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+SAID: set[str] = set()  # what `say_once` said in this process
+
+
+class LoopNotice(UserWarning):
+    """Why a generation runs transformers' `generate` itself instead of the loop."""
+
+
+def say_once(message: str) -> None:
+    if message not in SAID:
+        SAID.add(message)
+        warnings.warn(f"compiled_grpo: {message}", LoopNotice, stacklevel=kernels.frames_to_caller())
 
 
 def processors_and_config(model, generation_config, input_ids):
@@ -143,7 +157,9 @@ def generate(model, loops: dict, cache_length: int, generation_config=None, **in
     cache length and processors kept in `loops`), on `generate` itself where it does not."""
     input_ids = inputs["input_ids"]
     config, processors = processors_and_config(model, generation_config, input_ids)
-    if reason_not_to_loop(config, processors, inputs) is not None:
+    reason = reason_not_to_loop(config, processors, inputs)
+    if reason is not None:
+        say_once(f"compile_generation='loop': a generation runs transformers' generate itself: {reason}")
         return type(model).generate(model, **inputs, generation_config=generation_config)
     greedy = not config.do_sample
     key = (input_ids.shape[0], cache_length, greedy, tuple(repr(vars(p)) for p in processors))
