@@ -57,7 +57,8 @@ def device_busy_ms(profiler, keep=None) -> float:
     set once, CUDA graphs' kernels included), not the host ops that launched them (counted twice otherwise); only
     the events `keep` (a predicate) keeps, where given."""
     device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    device = [e for e in device if keep is None or keep(e)]
+    # a `record_function` range also shows on the device as an annotation spanning its kernels: not a kernel
+    device = [e for e in device if not getattr(e, "is_user_annotation", False) and (keep is None or keep(e))]
     return sum(e.time_range.elapsed_us() for e in device) / 1e3
 
 

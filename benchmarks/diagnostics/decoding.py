@@ -13,7 +13,8 @@ Qwen2.5-shaped model with random bf16 weights. Rows, one process (the compiled r
 No token ends a sequence here (the end token is never sampled from a near-uniform distribution over 151936), so
 every call decodes `--new-tokens` steps. Per row: the wall clock per step (median of `--repeats` calls after two
 warm-up calls), the GPU's busy time per step (one more call under the profiler, its device-side events once), and the
-host ops with the most host time of their own in that call (per step), which say what a host-bound step spends on.
+host ops and device kernels with the most time of their own in that call (per step), which say what a host-bound
+step and a GPU-bound one spend on.
 
     python -m benchmarks.diagnostics.decoding [--model 1.5B] [--batch 32] [--new-tokens 256] [--repeats 3]
         [--rows eager,compiled,compiled-deferred] [--out DIR]
@@ -95,11 +96,14 @@ def measure(model, inputs: dict, row: str, new_tokens: int, repeats: int) -> dic
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         steps = call(model, inputs, config, row)
-    host = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
+    averages = profiler.key_averages()
+    host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
+    device = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:TOP_HOST_OPS]
     return {
         "row": row, "steps": steps, "warm_up_s": warm_up, "wall_ms_per_step": statistics.median(walls),
         "busy_ms_per_step": device_busy_ms(profiler) / steps,
         "host_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in host},
+        "device_ops_ms_per_step": {e.key: e.self_device_time_total / 1e3 / steps for e in device},
     }  # fmt: skip
 
 
@@ -130,8 +134,9 @@ def main(argv=None) -> None:
         found["rows"].append(result)
         print(f"[decoding] {args.model} {row}: {result['wall_ms_per_step']:.2f} ms a step, GPU busy "
               f"{result['busy_ms_per_step']:.2f} ms (warm-up {result['warm_up_s']:.1f} s)", flush=True)  # fmt: skip
-        for name, ms in result["host_ops_ms_per_step"].items():
-            print(f"    {ms:7.3f} ms  {name}")
+        for side in ("host", "device"):
+            for name, ms in result[f"{side}_ops_ms_per_step"].items():
+                print(f"    {side} {ms:7.3f} ms  {name[:100]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"decoding-{args.model}.json").write_text(json.dumps(found, indent=1))
