@@ -28,18 +28,26 @@ def prompts_text(count: int, seed: int) -> list[str]:
     return [" ".join(f"w{rng.randrange(3, 1000)}" for _ in range(rng.randint(5, 250))) for _ in range(count)]
 
 
-def test_train_with_every_default_compiles_generation_once_over_varied_prompts(tmp_path):
+def trained_0_5b(tmp_path, steps: int, **options) -> CompiledGRPOTrainer:
+    """A CompiledGRPOTrainer after `steps` of `train()` on Qwen2.5-0.5B's shapes (random bf16 weights), every
+    default but `options`, prompts of 5-250 tokens."""
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN_SHAPES["0.5B"], vocab_size=QWEN_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=32, gradient_accumulation_steps=2, max_steps=STEPS, bf16=True,
+                      max_completion_length=32, gradient_accumulation_steps=2, max_steps=steps, bf16=True,
                       logging_steps=1, report_to=[], save_strategy="no")  # fmt: skip
     trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
                                   completions], args=args, train_dataset=Dataset.from_dict({"prompt": prompts_text(
-                                  64, seed=0)}), processing_class=word_tokenizer(QWEN_VOCAB))  # fmt: skip
+                                  16 * steps, seed=0)}), processing_class=word_tokenizer(QWEN_VOCAB),
+                                  **options)  # fmt: skip
     trainer.train()
+    return trainer
+
+
+def test_train_with_every_default_compiles_generation_once_over_varied_prompts(tmp_path):
+    trainer = trained_0_5b(tmp_path, STEPS)
     assert trainer.model.is_gradient_checkpointing and regional_compile.compiled(trainer.backbone_layers)
     state = trainer.generation_compiles
     assert trainer.compile_generation and state.fallback is None and state.calls == STEPS
@@ -104,18 +112,7 @@ def test_float32_greedy_tokens_on_the_loop_equal_eager_generation(tmp_path):
 
 
 def test_train_on_the_loop(tmp_path):
-    torch.manual_seed(0)
-    config = Qwen2Config(**QWEN_SHAPES["0.5B"], vocab_size=QWEN_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=32, gradient_accumulation_steps=2, max_steps=4, bf16=True,
-                      logging_steps=1, report_to=[], save_strategy="no")  # fmt: skip
-    trainer = CompiledGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in
-                                  completions], args=args, train_dataset=Dataset.from_dict({"prompt": prompts_text(
-                                  32, seed=0)}), processing_class=word_tokenizer(QWEN_VOCAB),
-                                  compile_generation="loop")  # fmt: skip
-    trainer.train()
+    trainer = trained_0_5b(tmp_path, 4, compile_generation="loop")
     assert [key[1] for key in trainer.generation_loops] == [256 + 32] and trainer.generation_compiles.fallback is None
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == 4 and all(e["grad_norm"] > 0 for e in logged)

@@ -2,7 +2,8 @@
 kernels on the CPU here, float32). Greedy tokens equal `generate`'s on left-padded prompts of different lengths,
 where every sequence ends early and where the limit ends them; sampled tokens follow the model's distribution (after
 a first token, the second one too: the compiled step's draw) and the processors' (top-k); calls it does not take
-run `generate` itself; the trainer decodes on it and gives TRL's eager tokens."""
+run `generate` itself; the trainer decodes on it and gives TRL's eager tokens, and `train()` on it (checkpointed, a
+LoRA adapter too) equals GRPOTrainer's steps on the same completions."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from scipy import stats
 from test_compiled_generation import completions, generator, prompts, varied_model
 from test_integration_trl import VOCAB
+from test_train_checkpointed import assert_steps_equal, train
 from transformers import GenerationConfig
 from trl import GRPOTrainer
 
@@ -108,3 +110,27 @@ def test_the_trainer_decodes_on_the_loop_and_gives_trl_eager_tokens(tmp_path):
         assert completions(ours, prompts(longest, seed)) == completions(eager, prompts(longest, seed))
     assert sorted(key[1] for key in ours.generation_loops) == [264, 520]  # one step per prompt bucket
     assert "generate" not in vars(ours.model)  # the model's own generate back after each call
+
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("adapter", [False, True])
+def test_train_on_the_loop_equals_grpo_trainer_on_its_completions(tmp_path, adapter, monkeypatch):
+    """`train()` with TRL's sampling on the loop (gradient checkpointing on as TRL turns it on; with a LoRA adapter,
+    PEFT unmerged, the loop decodes through the adapted model): its completions vary within groups, and GRPOTrainer
+    trained on those same completions (its generation replaced by them: the loop draws from another random stream)
+    gives every step's loss and gradients."""
+    if adapter:
+        pytest.importorskip("peft", reason="peft is in the test extras")
+    drawn, own = [], CompiledGRPOTrainer._generate_single_turn
+    monkeypatch.setattr(CompiledGRPOTrainer, "_generate_single_turn",
+                        lambda self, *args, **kwargs: drawn.append(own(self, *args, **kwargs)) or drawn[-1])  # fmt: skip
+    ours = train(tmp_path / "ours", CompiledGRPOTrainer, "eager", False, adapter, compile_generation="loop")
+    assert len(ours[2].generation_loops) == 1 and ours[2].generation_compiles.fallback is None
+    groups = [completions[i : i + 4] for completions, _ in drawn for i in range(0, len(completions), 4)]
+    assert any(len({tuple(c) for c in group}) > 1 for group in groups)  # sampled: a group's completions differ
+    replayed = iter(drawn)
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", lambda self, *args, **kwargs: next(replayed))
+    theirs = train(tmp_path / "theirs", GRPOTrainer, "eager", False, adapter)
+    assert_steps_equal(ours[:2], theirs[:2])
+    assert any(float(g.abs().max()) > 0 for step in ours[1] for g in step.values())  # the steps trained
