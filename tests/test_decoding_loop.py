@@ -112,7 +112,6 @@ def test_the_trainer_decodes_on_the_loop_and_gives_trl_eager_tokens(tmp_path):
     assert "generate" not in vars(ours.model)  # the model's own generate back after each call
 
 
-
 @pytest.mark.compiled
 @pytest.mark.parametrize("adapter", [False, True])
 def test_train_on_the_loop_equals_grpo_trainer_on_its_completions(tmp_path, adapter, monkeypatch):
@@ -123,8 +122,12 @@ def test_train_on_the_loop_equals_grpo_trainer_on_its_completions(tmp_path, adap
     if adapter:
         pytest.importorskip("peft", reason="peft is in the test extras")
     drawn, own = [], CompiledGRPOTrainer._generate_single_turn
-    monkeypatch.setattr(CompiledGRPOTrainer, "_generate_single_turn",
-                        lambda self, *args, **kwargs: drawn.append(own(self, *args, **kwargs)) or drawn[-1])  # fmt: skip
+
+    def recorded(self, *args, **kwargs):
+        drawn.append(own(self, *args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(CompiledGRPOTrainer, "_generate_single_turn", recorded)
     ours = train(tmp_path / "ours", CompiledGRPOTrainer, "eager", False, adapter, compile_generation="loop")
     assert len(ours[2].generation_loops) == 1 and ours[2].generation_compiles.fallback is None
     groups = [completions[i : i + 4] for completions, _ in drawn for i in range(0, len(completions), 4)]
