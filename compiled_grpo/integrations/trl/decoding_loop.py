@@ -20,24 +20,16 @@ stop strings, returned dicts, beams) runs `generate` itself (`reason_not_to_loop
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
-from ... import kernels
+from .zero_advantage import say_once
 
 SCORE_ONLY = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
-SAID: set[str] = set()  # what `say_once` said in this process
 
 
 class LoopNotice(UserWarning):
     """Why a generation runs transformers' `generate` itself instead of the loop."""
-
-
-def say_once(message: str) -> None:
-    if message not in SAID:
-        SAID.add(message)
-        warnings.warn(f"compiled_grpo: {message}", LoopNotice, stacklevel=kernels.frames_to_caller())
 
 
 def processors_and_config(model, generation_config, input_ids):
@@ -159,7 +151,8 @@ def generate(model, loops: dict, cache_length: int, generation_config=None, **in
     config, processors = processors_and_config(model, generation_config, input_ids)
     reason = reason_not_to_loop(config, processors, inputs)
     if reason is not None:
-        say_once(f"compile_generation='loop': a generation runs transformers' generate itself: {reason}")
+        message = f"compile_generation='loop': a generation runs transformers' generate itself: {reason}"
+        say_once(model, message, LoopNotice)  # once per model
         return type(model).generate(model, **inputs, generation_config=generation_config)
     greedy = not config.do_sample
     key = (input_ids.shape[0], cache_length, greedy, tuple(repr(vars(p)) for p in processors))
