@@ -8,7 +8,8 @@ Qwen2.5-shaped model with random bf16 weights. Rows, one process (the compiled r
   compiled-deferred: the same with "all finished?" read one step late (`rollouts.deferred_stop_check`);
   loop: `compile_generation="loop"`'s decoding (`decoding_loop`): each token's whole step (the forward on the
     static cache, the logits processors, the choice, the finished flags) one compiled function replayed as a CUDA
-    graph, "all finished?" read one step late.
+    graph, "all finished?" read one step late, the layers' attention over unrepeated key and value heads;
+  loop-repeated: the loop with SDPA's own attention, which repeats the key and value heads for every query head.
 
 No token ends a sequence here (the end token is never sampled from a near-uniform distribution over 151936), so
 every call decodes `--new-tokens` steps. Per row: the wall clock per step (median of `--repeats` calls after two
@@ -33,9 +34,9 @@ import torch
 
 from benchmarks.timing import device_busy_ms
 
-ROWS = ("eager", "compiled", "compiled-deferred", "loop")
+ROWS = ("eager", "compiled", "compiled-deferred", "loop", "loop-repeated")
 TOP_HOST_OPS = 12
-LOOPS: dict = {}  # the loop row's compiled steps, kept between its calls
+LOOPS: dict = {"loop": {}, "loop-repeated": {}}  # the loop rows' compiled steps, kept between their calls
 
 
 def prompts(batch: int, vocab: int, device) -> dict:
@@ -72,8 +73,9 @@ def call(model, inputs: dict, config, row: str) -> int:
     from compiled_grpo.integrations.trl.rollouts import deferred_stop_check
 
     with torch.no_grad(), deferred_stop_check(row == "compiled-deferred"):
-        if row == "loop":
-            out = decoding_loop.generate(model, LOOPS, config.max_cache_len, config, **inputs)
+        if row in LOOPS:
+            decoding_loop.GROUPED_ATTENTION = row == "loop"
+            out = decoding_loop.generate(model, LOOPS[row], config.max_cache_len, config, **inputs)
         else:
             out = model.generate(**inputs, generation_config=config)
     if out.is_cuda:

@@ -6,7 +6,8 @@ the stopping criteria, "all finished?" read back). Timed in `train()` on an H100
 ~7.4 ms at Qwen2.5-1.5B and ~15.7 ms at 7B, five times the weights: ~5 ms a token that does not grow with the
 model, the host's. Here each token's whole step (the forward on a static cache, the logits processors, the choice of
 the token, the finished flags) is one compiled function, replayed as a CUDA graph on a GPU, and the host reads
-whether every sequence has finished one step late, from a copy it does not wait for.
+whether every sequence has finished one step late, from a copy it does not wait for. An SDPA model's layers attend
+without repeating their key and value heads for every query head (`decoding_attention`).
 
 It decodes as `generate` does for the configurations it takes: the logits processors are `generate`'s own (built by
 transformers from the call's merged generation config), accepted where they read the scores alone (temperature,
@@ -23,8 +24,12 @@ import contextlib
 
 import torch
 
+from . import packed_attention
+from .decoding_attention import GROUPED_DECODING
+from .padding_free import transformers_model
 from .zero_advantage import say_once
 
+GROUPED_ATTENTION = True  # SDPA models' steps attend without repeating key and value heads (`decoding_attention`)
 SCORE_ONLY = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 
 
@@ -76,15 +81,26 @@ class Loop:
         self.cache = StaticCache(config=model.config, max_cache_len=cache_length)
         self.mask = torch.ones(batch, cache_length, dtype=torch.long, device=device)
         self.model, self.processors, self.greedy = model, processors, greedy
+        self.attention = step_attention(model)
         on_gpu = torch.device(device).type == "cuda"
         self.step = torch.compile(self.eager_step, mode="reduce-overhead" if on_gpu else None)
 
     def eager_step(self, token, position, cache_position, unfinished, ends, pad):
         out = self.model(input_ids=token[:, None], attention_mask=self.mask, position_ids=position[:, None],
-                         past_key_values=self.cache, cache_position=cache_position, use_cache=True)  # fmt: skip
+                         past_key_values=self.cache, cache_position=cache_position, use_cache=True,
+                         **self.attention)  # fmt: skip
         chosen = choose(out.logits[:, -1], self.processors, self.greedy, token[:, None])
         chosen = torch.where(unfinished, chosen, pad)
         return chosen, unfinished & ~torch.isin(chosen, ends)
+
+
+def step_attention(model) -> dict:
+    """The steps' keyword arguments that make an SDPA model's layers attend without repeating their key and value
+    heads (`decoding_attention`, through `packed_attention`'s dispatcher); none for other implementations."""
+    if not GROUPED_ATTENTION or packed_attention.own_implementation(model) != "sdpa":
+        return {}
+    packed_attention.install(transformers_model(model))
+    return {packed_attention.PACKED_KWARG: GROUPED_DECODING}
 
 
 def decode(loop: Loop, input_ids, attention_mask, new_tokens: int, ends, pad) -> torch.Tensor:

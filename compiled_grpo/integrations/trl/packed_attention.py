@@ -10,7 +10,9 @@ reentrant checkpointing). Instead, `install` gives the model one implementation 
 
 - the attention function: a packed forward passes `PACKED_KWARG=<implementation>` among the model's keyword
   arguments, which transformers hands to every layer's attention and checkpointing replays with the layer; every
-  other call (generation, padded forwards, the reference model's) runs the model's own function.
+  other call (generation, padded forwards, the reference model's) runs the model's own function, but the decoding
+  loop's steps, which pass `GROUPED_DECODING` (`decoding_attention`: the model's own function, its key and value
+  heads not repeated).
 - the mask: transformers builds it once per forward, outside the layers, and passes it to each layer as an argument
   (replayed as it is); while a packed forward runs (`packed_masks`), it is the packed implementation's mask.
 
@@ -34,6 +36,7 @@ import torch
 
 from ...packing import to_device
 from . import shared_masks
+from .decoding_attention import GROUPED_DECODING, grouped_decoding_attention
 
 PACKED_KWARG = "compiled_grpo_packed_attention"
 KEY_INDEX = "compiled_grpo_key_index"  # where segments share a prompt: the packed positions of each one's keys
@@ -117,6 +120,9 @@ def attend(own: str, module, query, key, value, attention_mask, **kwargs):
     """The attention of one layer's call: the packed forward's implementation where the call carries one, else the
     model's own."""
     chosen = kwargs.pop(PACKED_KWARG, None) or own
+    if chosen == GROUPED_DECODING:
+        return grouped_decoding_attention(attention_function(own, module), module, query, key, value, attention_mask,
+                                          **kwargs)  # fmt: skip
     return attention_function(chosen, module)(module, query, key, value, attention_mask, **kwargs)
 
 
