@@ -48,7 +48,9 @@ ROWS = {
     "default-noshare": "CompiledGRPOTrainer, share_prompts=False",
     "default-stack": 'CompiledGRPOTrainer, compile_backbone="stack"',
     "default-graphs": 'CompiledGRPOTrainer, compile_backbone="stack-graphs"',
-    "default-deferred": "CompiledGRPOTrainer, the decoding's stop decided one step late (rollouts.DEFERRED_STOP_CHECK)",
+    "default-step": "CompiledGRPOTrainer, compile_generation=True (transformers' compiled decode step)",
+    "default-deferred": "CompiledGRPOTrainer, compile_generation=True, the stop decided one step late "
+    "(rollouts.DEFERRED_STOP_CHECK)",
     "default-loop": 'CompiledGRPOTrainer, compile_generation="loop"',
 }
 PROMPTS, GENERATIONS, MICRO_BATCH, ACCUMULATION = 4, 8, 8, 4
@@ -220,7 +222,8 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> d
     )  # fmt: skip
     cls = GRPOTrainer if row.startswith("grpo") else CompiledGRPOTrainer
     options = {"eager-generation": {"compile_generation": False}, "default-noshare": {"share_prompts": False},
-               "default-loop": {"compile_generation": "loop"},
+               "default-loop": {"compile_generation": "loop"}, "default-step": {"compile_generation": True},
+               "default-deferred": {"compile_generation": True},
                "default-stack": {"compile_backbone": "stack"},
                "default-graphs": {"compile_backbone": "stack-graphs"}}  # fmt: skip
     trainer = cls(model=model, reward_funcs=even_share, args=args, train_dataset=dataset(vocab, steps + 1, 0, workload),

@@ -1,10 +1,9 @@
-"""On a GPU (skipped elsewhere): `compile_generation="auto"` compiles TRL's decoding (transformers' decode step as
-CUDA graphs). `train()` with every default (compiled layers, gradient checkpointing) over 10 steps of prompts of
-5-250 tokens compiles the decode step once (one prompt bucket) and never again; in float32 (TF32 off) its greedy
-tokens equal TRL's eager generation over prompts of varied lengths, and its seeded sampled tokens too, with the stop
-decided per step as transformers does on a GPU or one step late (`rollouts.DEFERRED_STOP_CHECK`). On the trainer's
-own loop (`compile_generation="loop"`) greedy tokens equal TRL's eager ones, and `train()` runs on it compiling its
-step once per prompt bucket."""
+"""On a GPU (skipped elsewhere): `compile_generation="auto"` decodes on the trainer's own loop (`decoding_loop`: each
+token's whole step one CUDA graph). `train()` with every default (compiled layers, gradient checkpointing) over 10
+steps of prompts of 5-250 tokens compiles the loop's step once (one prompt bucket) and never again; in float32 (TF32
+off) its greedy tokens equal TRL's eager generation over prompts of varied lengths. On transformers' compiled decode
+step (`compile_generation=True`) greedy tokens and seeded sampled tokens equal TRL's eager ones, with the stop
+decided per step as transformers does on a GPU or one step late (`rollouts.DEFERRED_STOP_CHECK`)."""
 
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ def test_train_with_every_default_compiles_generation_once_over_varied_prompts(t
     state = trainer.generation_compiles
     assert trainer.compile_generation and state.fallback is None and state.calls == STEPS
     assert [length for length, _, _ in state.compiles] == [256 + 32], state.compiles  # one bucket, compiled once
-    assert hasattr(trainer.accelerator.unwrap_model(trainer.model), "_compiled_call")
+    assert [key[1] for key in trainer.generation_loops] == [256 + 32]  # on the loop, one step for the bucket
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == STEPS and all(e["grad_norm"] > 0 for e in logged)
 
@@ -83,7 +82,7 @@ def test_float32_tokens_equal_eager_generation(tmp_path, greedy, deferred, monke
     """Also with the stop decided one step late (`rollouts.DEFERRED_STOP_CHECK`): the extra step is undone."""
     monkeypatch.setattr(rollouts, "DEFERRED_STOP_CHECK", deferred)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
-    ours = float32_generator(tmp_path / "ours", CompiledGRPOTrainer, greedy)
+    ours = float32_generator(tmp_path / "ours", CompiledGRPOTrainer, greedy, compile_generation=True)
     theirs = float32_generator(tmp_path / "theirs", GRPOTrainer, greedy)
     assert ours.compile_generation
     rng = random.Random(1)
@@ -100,7 +99,7 @@ def test_float32_tokens_equal_eager_generation(tmp_path, greedy, deferred, monke
 
 def test_float32_greedy_tokens_on_the_loop_equal_eager_generation(tmp_path):
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
-    ours = float32_generator(tmp_path / "ours", CompiledGRPOTrainer, True, compile_generation="loop")
+    ours = float32_generator(tmp_path / "ours", CompiledGRPOTrainer, True)  # "auto": the loop
     theirs = float32_generator(tmp_path / "theirs", GRPOTrainer, True)
     rng = random.Random(2)
     for seed in range(4):
@@ -109,10 +108,3 @@ def test_float32_greedy_tokens_on_the_loop_equal_eager_generation(tmp_path):
         trl, _ = theirs._generate_single_turn(prompt_ids, None, {}, 4)
         assert mine == trl, seed
     assert [key[1] for key in ours.generation_loops] == [256 + 24]  # one prompt bucket, one compiled step
-
-
-def test_train_on_the_loop(tmp_path):
-    trainer = trained_0_5b(tmp_path, 4, compile_generation="loop")
-    assert [key[1] for key in trainer.generation_loops] == [256 + 32] and trainer.generation_compiles.fallback is None
-    logged = [e for e in trainer.state.log_history if "loss" in e]
-    assert len(logged) == 4 and all(e["grad_norm"] > 0 for e in logged)

@@ -14,17 +14,21 @@ order (said each time in a `GenerationNotice`). A `max_cache_len` in `GRPOConfig
 `compile_generation="auto"` (CompiledGRPOTrainer's default) compiles on a GPU where TRL generates with transformers'
 `generate` (not vLLM, not transformers' continuous batching), no engine shards the parameters (ZeRO-3 and FSDP
 gather them for each generation: their addresses change, which CUDA graphs cannot replay), the model is text-only
-and the cache is left to the trainer (`cache_implementation` None or "static"). `True` compiles wherever that path
-runs (the CPU too: Inductor's C++ kernels, no CUDA graphs); `False` keeps TRL's eager generation. Where compiling
-fails, generation falls back to TRL's eager configuration for the rest of the run, with the reason said once.
-Sampling is untouched: transformers' logits processors and sampler run outside the compiled call on its logits.
+and the cache is left to the trainer (`cache_implementation` None or "static"), and decodes there on the trainer's
+own loop (`decoding_loop`, as "loop" does). `True` compiles transformers' own decode step wherever that path runs
+(the CPU too: Inductor's C++ kernels, no CUDA graphs), its logits processors and sampler running outside the compiled
+call on its logits as they do eagerly (the same tokens as TRL's for the same seed); `False` keeps TRL's eager
+generation. Where compiling fails, generation falls back to TRL's eager configuration for the rest of the run, with
+the reason said once.
 
 transformers reads whether every sequence has finished after each decode step, which makes the host wait for the
 GPU once per token; its own `DeferredStopCheck` reads it one step late instead (one more decode step, which it
 undoes: the tokens returned are the same), but only on Apple's GPUs. `DEFERRED_STOP_CHECK = True` turns it on for
 compiled decoding on CUDA too (`deferred_stop_check`), where the cache is not returned (TRL's `generate` call).
 `compile_generation="loop"` compiles as `True` does and decodes on the trainer's own loop (`decoding_loop`: each
-token's whole step one compiled call) where it takes the call, the model's `generate` replaced during TRL's call.
+token's whole step one compiled call, sampling from the same distribution by another random stream) where it takes
+the call, the model's `generate` replaced during TRL's call; calls it does not take run transformers' compiled
+decoding.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ def configure(trainer, mode) -> None:
     trainer.generation_compiles = GenerationCompiles()
     reason = reason_not_to_compile(trainer, mode)
     trainer.compile_generation = reason is None
-    trainer.generation_loops = {} if reason is None and mode == "loop" else None  # `decoding_loop`'s, kept per shape
+    on_loop = mode == "loop" or (mode == "auto" and trainer.accelerator.device.type == "cuda")
+    trainer.generation_loops = {} if reason is None and on_loop else None  # `decoding_loop`'s, kept per shape
     if reason is not None:
         trainer.generation_compiles.fallback = reason
         if mode is True:
