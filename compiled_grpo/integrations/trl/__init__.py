@@ -12,7 +12,8 @@ them. The model runs once per micro-batch with a pre-hook on its output embeddin
 states and lets the head project only one position; the fused loss then streams the completion positions
 through the lm_head. Each micro-batch runs its real tokens only, trimmed to its own longest prompt and completion
 or packed into one row (`padding_free`); on a GPU the decoder layers are compiled by region (`compile_backbone`)
-and generation runs on transformers' compiled decode step with a pinned cache (`compile_generation`, `rollouts`).
+and generation runs on compiled decoding with a pinned cache (`compile_generation`, `rollouts`; on a GPU the trainer's
+own decoding loop, `decoding_loop`).
 TRL's metrics are logged under TRL's names. Also handled: the
 one-position shift between hidden states and completion ids, `tool_mask`, the MoE auxiliary loss (divided by
 gradient accumulation), eval mode (no accumulation), `cast_lm_head_to_fp32`, PEFT (an adapter on the backbone; not
