@@ -9,7 +9,9 @@ Qwen2.5-shaped model with random bf16 weights. Rows, one process (the compiled r
   loop: `compile_generation="loop"`'s decoding (`decoding_loop`): each token's whole step (the forward on the
     static cache, the logits processors, the choice, the finished flags) one compiled function replayed as a CUDA
     graph, "all finished?" read one step late, the layers' attention over unrepeated key and value heads;
-  loop-repeated: the loop with SDPA's own attention, which repeats the key and value heads for every query head.
+  loop-repeated: the loop with SDPA's own attention, which repeats the key and value heads for every query head;
+  loop-autotune: the loop's step compiled with `mode="max-autotune"` (Inductor tunes its GEMMs for the decode
+    step's shapes, CUDA graphs as well), `decoding_loop.GPU_MODE`.
 
 No token ends a sequence here (the end token is never sampled from a near-uniform distribution over 151936), so
 every call decodes `--new-tokens` steps. Per row: the wall clock per step (median of `--repeats` calls after two
@@ -34,9 +36,9 @@ import torch
 
 from benchmarks.timing import device_busy_ms
 
-ROWS = ("eager", "compiled", "compiled-deferred", "loop", "loop-repeated")
+ROWS = ("eager", "compiled", "compiled-deferred", "loop", "loop-repeated", "loop-autotune")
 TOP_HOST_OPS = 12
-LOOPS: dict = {"loop": {}, "loop-repeated": {}}  # the loop rows' compiled steps, kept between their calls
+LOOPS: dict = {"loop": {}, "loop-repeated": {}, "loop-autotune": {}}  # the loop rows' compiled steps, kept
 
 
 def prompts(batch: int, vocab: int, device) -> dict:
@@ -74,7 +76,8 @@ def call(model, inputs: dict, config, row: str) -> int:
 
     with torch.no_grad(), deferred_stop_check(row == "compiled-deferred"):
         if row in LOOPS:
-            decoding_loop.GROUPED_ATTENTION = row == "loop"
+            decoding_loop.GROUPED_ATTENTION = row != "loop-repeated"
+            decoding_loop.GPU_MODE = "max-autotune" if row == "loop-autotune" else "reduce-overhead"
             out = decoding_loop.generate(model, LOOPS[row], config.max_cache_len, config, **inputs)
         else:
             out = model.generate(**inputs, generation_config=config)

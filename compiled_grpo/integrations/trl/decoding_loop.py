@@ -29,6 +29,7 @@ from .decoding_attention import GROUPED_DECODING
 from .padding_free import transformers_model
 from .zero_advantage import say_once
 
+GPU_MODE = "reduce-overhead"  # the step's torch.compile mode on a GPU (CUDA graphs; "max-autotune" also tunes GEMMs)
 GROUPED_ATTENTION = True  # SDPA models' steps attend without repeating key and value heads (`decoding_attention`)
 SCORE_ONLY = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 
@@ -83,7 +84,7 @@ class Loop:
         self.model, self.processors, self.greedy = model, processors, greedy
         self.attention = step_attention(model)
         on_gpu = torch.device(device).type == "cuda"
-        self.step = torch.compile(self.eager_step, mode="reduce-overhead" if on_gpu else None)
+        self.step = torch.compile(self.eager_step, mode=GPU_MODE if on_gpu else None)
 
     def eager_step(self, token, position, cache_position, unfinished, ends, pad):
         out = self.model(input_ids=token[:, None], attention_mask=self.mask, position_ids=position[:, None],
