@@ -51,7 +51,7 @@ def test_train_with_every_default_compiles_generation_once_over_varied_prompts(t
     state = trainer.generation_compiles
     assert trainer.compile_generation and state.fallback is None and state.calls == STEPS
     assert [length for length, _, _ in state.compiles] == [256 + 32], state.compiles  # one bucket, compiled once
-    assert [key[1] for key in trainer.generation_loops] == [256 + 32]  # on the loop, one step for the bucket
+    assert [loop.length for loop in trainer.generation_loops.values()] == [256 + 32]  # on the loop, one cache
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == STEPS and all(e["grad_norm"] > 0 for e in logged)
 
@@ -107,4 +107,4 @@ def test_float32_greedy_tokens_on_the_loop_equal_eager_generation(tmp_path):
         mine, _ = ours._generate_single_turn(prompt_ids, None, {}, 4)
         trl, _ = theirs._generate_single_turn(prompt_ids, None, {}, 4)
         assert mine == trl, seed
-    assert [key[1] for key in ours.generation_loops] == [256 + 24]  # one prompt bucket, one compiled step
+    assert [loop.length for loop in ours.generation_loops.values()] == [256 + 24]  # one bucket, one compiled step

@@ -79,6 +79,7 @@ class Loop:
     def __init__(self, model, batch: int, cache_length: int, processors: list, greedy: bool, device):
         from transformers import StaticCache
 
+        self.length = cache_length
         self.cache = StaticCache(config=model.config, max_cache_len=cache_length)
         self.mask = torch.ones(batch, cache_length, dtype=torch.long, device=device)
         self.model, self.processors, self.greedy = model, processors, greedy
@@ -162,8 +163,8 @@ class LateFlag:
 
 
 def generate(model, loops: dict, cache_length: int, generation_config=None, **inputs) -> torch.Tensor:
-    """`model.generate(**inputs, generation_config=...)` on the loop where it takes the call (a `Loop` per batch,
-    cache length and processors kept in `loops`), on `generate` itself where it does not."""
+    """`model.generate(**inputs, generation_config=...)` on the loop where it takes the call (a `Loop` per kind of
+    call kept in `loops`, `loop_for`), on `generate` itself where it does not."""
     input_ids = inputs["input_ids"]
     config, processors = processors_and_config(model, generation_config, input_ids)
     reason = reason_not_to_loop(config, processors, inputs)
@@ -171,16 +172,24 @@ def generate(model, loops: dict, cache_length: int, generation_config=None, **in
         message = f"compile_generation='loop': a generation runs transformers' generate itself: {reason}"
         say_once(model, message, LoopNotice)  # once per model
         return type(model).generate(model, **inputs, generation_config=generation_config)
-    greedy = not config.do_sample
-    key = (input_ids.shape[0], cache_length, greedy, tuple(repr(vars(p)) for p in processors))
-    if key not in loops:
-        loops[key] = Loop(model, input_ids.shape[0], cache_length, processors, greedy, input_ids.device)
+    loop = loop_for(loops, model, input_ids, cache_length, processors, not config.do_sample)
     ends = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     ends = torch.tensor([e for e in ends if e is not None], dtype=torch.long, device=input_ids.device)
     pad = torch.tensor(config.pad_token_id, device=input_ids.device)
     mask = inputs.get("attention_mask", torch.ones_like(input_ids))
     with torch.no_grad():
-        return decode(loops[key], input_ids, mask, config.max_new_tokens, ends, pad)
+        return decode(loop, input_ids, mask, config.max_new_tokens, ends, pad)
+
+
+def loop_for(loops: dict, model, input_ids, cache_length: int, processors: list, greedy: bool) -> Loop:
+    """The loop of this kind of call (batch, greedy or not, the processors' settings) with a cache of at least
+    `cache_length`: one per kind, replaced by a larger one where a longer prompt needs it (the smaller cache freed
+    first) and kept for shorter ones after, as transformers grows its own static cache and never shrinks it."""
+    kind = (input_ids.shape[0], greedy, tuple(repr(vars(p)) for p in processors))
+    if kind not in loops or loops[kind].length < cache_length:
+        loops.pop(kind, None)
+        loops[kind] = Loop(model, input_ids.shape[0], cache_length, processors, greedy, input_ids.device)
+    return loops[kind]
 
 
 @contextlib.contextmanager
