@@ -1,4 +1,4 @@
-"""A decoding loop whose every token is one compiled call (`compile_generation="loop"`).
+"""A decoding loop whose every token is one compiled call (`compile_generation="loop"`, and "auto" on a GPU).
 
 transformers' compiled decoding compiles the model's forward alone: for every token the host still runs `generate`'s
 loop around it (the inputs prepared, the compiled call's guards and graph replay, the logits processors, sampling,
@@ -7,7 +7,8 @@ the stopping criteria, "all finished?" read back). Timed in `train()` on an H100
 model, the host's. Here each token's whole step (the forward on a static cache, the logits processors, the choice of
 the token, the finished flags) is one compiled function, replayed as a CUDA graph on a GPU, and the host reads
 whether every sequence has finished one step late, from a copy it does not wait for. An SDPA model's layers attend
-without repeating their key and value heads for every query head (`decoding_attention`).
+without repeating their key and value heads for every query head (`decoding_attention`). On an H100 at 1.5B a token
+of 32 sequences took 3.23 ms so, against 7.03 ms on transformers' compiled decode step.
 
 It decodes as `generate` does for the configurations it takes: the logits processors are `generate`'s own (built by
 transformers from the call's merged generation config), accepted where they read the scores alone (temperature,
