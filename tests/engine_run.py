@@ -68,8 +68,12 @@ def train(name: str, out: Path) -> None:
                       optim="sgd", **settings)  # fmt: skip
     # prompts of several lengths: left padding in every micro-batch, which the packed run removes
     data = Dataset.from_dict({"prompt": ["a b", "d e f g h i", "1 2 a", "g"] * 8})
-    # compiled on a GPU (captured calls where the trainer captures), eager on a CPU (compile time)
-    extra = {"compiled": on_gpu(), **options} if cls is CompiledGRPOTrainer else {}
+    # compiled on a GPU (captured calls where the trainer captures), eager on a CPU (compile time). On a GPU "auto"
+    # decodes on the trainer's loop where no engine shards the parameters, which samples from another random stream
+    # than GRPOTrainer's; these runs compare steps, so there they decode on transformers' compiled step, whose tokens
+    # are TRL's (tried under every engine, as the "generation" run is)
+    on_step = {"compile_generation": True} if on_gpu() else {}
+    extra = {"compiled": on_gpu(), **on_step, **options} if cls is CompiledGRPOTrainer else {}
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # one rank at 0 in turn, the other half
     reward = ZeroOnOneRank() if several else zero_reward_for_some_prompts
     trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=data,
