@@ -202,8 +202,9 @@ class BusyStep:
         self.generation_ms = device_busy_ms(self.profiler, inside) if ranges else None
 
 
-def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> dict:
-    """One `train()` run of `row` (in this process), its per-step times, peak memory and GPU busy time."""
+def run_row(row: str, model_name: str, steps: int, workload: str = "mixed", keep=None) -> dict:
+    """One `train()` run of `row` (in this process), its per-step times, peak memory and GPU busy time; `keep` (where
+    given) is handed the row as it stands after the timed steps, before the profiled one."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
@@ -236,16 +237,50 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed") -> d
         rollouts.DEFERRED_STOP_CHECK = True
     clock = StepClock(trainer, on_gpu)
     busy = BusyStep(trainer, steps + 1) if on_gpu else None
+    measured = lambda: results(row, label(model_name, workload), trainer, clock, busy, steps)  # noqa: E731
+    if keep is not None:  # on a GPU a profiled step follows the timed ones
+        keep_before(trainer, steps, lambda: keep({**measured(), "partial": PARTIAL}))
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    return measured()
+
+
+PARTIAL = "stopped during its profiled step, after the timed ones: no GPU busy time"
+
+
+def keep_before(trainer, step: int, save) -> None:
+    """`save()` called as the trainer begins the optimizer step after `step` (its logs in)."""
+    from transformers import TrainerCallback
+
+    class Before(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                save()
+
+    trainer.add_callback(Before())
+
+
+def keep_partial(path: Path, row: dict) -> None:
+    """A row as it stands before its profiled step, added to the sweep's file: a run stopped there (a time limit)
+    keeps its timed steps; the sweep writes the whole row over it when the row ends."""
+    data = json.loads(path.read_text())
+    data["rows"].append(row)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def results(row: str, model: str, trainer, clock, busy, steps: int) -> dict:
+    """A run's row: its timed steps, generation's compiles, peak memory and (after the profiled step) busy time."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     for step, length in zip(clock.steps, lengths, strict=False):
         step["mean_completion"] = length
     compiles = getattr(trainer, "generation_compiles", None)
     shared = [e["shared_prompts/saved_tokens"] for e in trainer.state.log_history if "shared_prompts/saved_tokens" in e]
     return {
-        "row": row, "model": label(model_name, workload), "steps": clock.steps[:steps],
+        "row": row, "model": model, "steps": clock.steps[:steps],
         "busy_ms": busy.ms if busy else None, "generation_busy_ms": busy.generation_ms if busy else None,
         "shared_prompt_tokens": statistics.mean(shared) if shared else 0.0,
         "busy_step_s": clock.steps[steps]["wall_s"] if on_gpu and len(clock.steps) > steps else None,
@@ -286,18 +321,21 @@ def sweep(args) -> None:
     path = out / f"train-{args.model}{'-long' if args.workload == 'long' else ''}.json"
     rows = args.rows.split(",") + (["default-warm"] if args.warm else [])
     data = {"versions": versions(), "rows": []}
+    path.write_text(json.dumps(data, indent=1))  # each row adds its timed steps to it before its profiled step
     shared_cache = tempfile.mkdtemp(prefix="inductor-default-")
     for row in rows:
         cache = shared_cache if row in ("default", "default-warm") else tempfile.mkdtemp(prefix=f"inductor-{row}-")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
         result = Path(tempfile.mkdtemp()) / "row.json"
         command = [sys.executable, "-m", "benchmarks.train", "--model", args.model, "--steps", str(args.steps),
-                   "--workload", args.workload, "--child", row, "--child-out", str(result)]  # fmt: skip
+                   "--workload", args.workload, "--child", row, "--child-out", str(result),
+                   "--sweep-out", str(path)]  # fmt: skip
         started = time.perf_counter()
         done = subprocess.run(command, env=env, check=False)
         if done.returncode or not result.exists():
             failed = {"row": row, "model": label(args.model, args.workload), "error": f"exit {done.returncode}"}
-            data["rows"].append(failed)
+            kept = json.loads(path.read_text())["rows"][len(data["rows"]) :]  # its timed steps, where it got that far
+            data["rows"].append({**kept[-1], **failed} if kept else failed)
         else:
             data["rows"].append(json.loads(result.read_text()))
         print(f"[train] {args.model} {row}: {time.perf_counter() - started:.0f} s", flush=True)
@@ -348,7 +386,8 @@ def summary_lines(rows: list[dict]) -> str:
         base = summary(mine.get("grpo", {}))  # the speed-ups within one machine's run
         for name, row in mine.items():
             s = summary(row)
-            model_cell = f"| {model} | {machine} | {ROWS[name]} |"
+            stopped = f" ({row['partial']})" if row.get("partial") else ""
+            model_cell = f"| {model} | {machine} | {ROWS[name]}{stopped} |"
             if s is None:
                 lines.append(f"{model_cell} {row.get('error', 'too few steps')} |" + " |" * 11)
                 continue
@@ -465,6 +504,7 @@ def main(argv=None) -> None:
     parser.add_argument("--report", nargs="+")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    parser.add_argument("--sweep-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.report:
         report(args)
@@ -472,7 +512,10 @@ def main(argv=None) -> None:
         if args.child not in ROWS:
             parser.error(f"--child: unknown row {args.child!r}")
         row = "default" if args.child == "default-warm" else args.child
-        result = run_row(row, args.model, args.steps, args.workload)
+        keep = None
+        if args.sweep_out:
+            keep = lambda partial: keep_partial(Path(args.sweep_out), {**partial, "row": args.child})  # noqa: E731
+        result = run_row(row, args.model, args.steps, args.workload, keep)
         Path(args.child_out).write_text(json.dumps({**result, "row": args.child}))
     else:
         for row in args.rows.split(","):

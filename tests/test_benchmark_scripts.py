@@ -188,6 +188,29 @@ def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them
         train.main(["--model", "tiny", "--rows", "grpo,nonsense"])
 
 
+def test_a_train_row_stopped_in_its_profiled_step_keeps_its_timed_steps(tmp_path):
+    """`benchmarks.train` adds a row to its file before the row's profiled step (a time limit can stop a run there):
+    the save comes as the step after the timed ones begins, the row is reported with its timed steps and marked."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks import train
+
+    callbacks, saved = [], []
+    train.keep_before(SimpleNamespace(add_callback=callbacks.append), 3, lambda: saved.append(len(saved)))
+    for step in range(5):
+        callbacks[0].on_step_begin(None, SimpleNamespace(global_step=step), None)
+    assert saved == [0]  # once, as step 4 begins
+    path = tmp_path / "train-tiny.json"
+    path.write_text(json.dumps({"versions": {}, "rows": [{"row": "grpo", "model": "tiny", "error": "exit 1"}]}))
+    steps = [{"wall_s": w, "generation_s": w / 2, "generation_graphs": 0} for w in (9.0, 8.0, 2.0, 4.0, 3.0)]
+    train.keep_partial(path, {"row": "default", "model": "tiny", "steps": steps, "partial": train.PARTIAL})
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["grpo", "default"]
+    line = next(line for line in train.summary_lines(rows).splitlines() if train.PARTIAL in line)
+    assert "| 3.00 | - | 1.50 |" in line  # the median of the steps after the first two, its generation
+
+
 def test_train_benchmark_long_prompt_workload(tmp_path):
     """`--workload long`: every prompt `LONG_PROMPT` tokens, the run named so and written apart."""
     import json
