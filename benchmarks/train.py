@@ -20,7 +20,8 @@ the median of the rest.
         [--steps 10] [--warm] [--workload mixed|long] [--out benchmark-results]
     python -m benchmarks.train --report benchmark-results/train-*.json [--out docs/benchmarks/train]
 
-The first writes `train-<model>.json` row by row; `--warm` adds the default row again on the Inductor cache the
+The first writes `train-<model>.json` row by row (a row's timed steps before its profiled step: a run stopped there,
+by a time limit say, keeps them, marked); `--warm` adds the default row again on the Inductor cache the
 first default row filled; `--workload long` gives every prompt 512 tokens (rows `default` and `default-noshare`
 show what sharing a group's prompt saves) and writes `train-<model>-long.json`. `--report` joins such files into
 `train.md` and `train.png`. `--model tiny` runs a small model on the CPU (a smoke test of this script).

@@ -188,10 +188,11 @@ def test_train_benchmark_times_whole_train_runs_on_a_tiny_model_and_reports_them
         train.main(["--model", "tiny", "--rows", "grpo,nonsense"])
 
 
-def test_a_train_row_stopped_in_its_profiled_step_keeps_its_timed_steps(tmp_path):
+def test_a_train_row_stopped_in_its_profiled_step_keeps_its_timed_steps(tmp_path, monkeypatch):
     """`benchmarks.train` adds a row to its file before the row's profiled step (a time limit can stop a run there):
     the save comes as the step after the timed ones begins, the row is reported with its timed steps and marked."""
     import json
+    from pathlib import Path
     from types import SimpleNamespace
 
     from benchmarks import train
@@ -209,6 +210,19 @@ def test_a_train_row_stopped_in_its_profiled_step_keeps_its_timed_steps(tmp_path
     assert [r["row"] for r in rows] == ["grpo", "default"]
     line = next(line for line in train.summary_lines(rows).splitlines() if train.PARTIAL in line)
     assert "| 3.00 | - | 1.50 |" in line  # the median of the steps after the first two, its generation
+
+    def killed_in_profiled_step(command, **kwargs):  # a child that kept its timed steps, then was killed
+        sweep_file = Path(command[command.index("--sweep-out") + 1])
+        train.keep_partial(sweep_file, {"row": command[command.index("--child") + 1], "model": "tiny",
+                                        "steps": steps, "partial": train.PARTIAL})  # fmt: skip
+        return SimpleNamespace(returncode=-9)
+
+    monkeypatch.setattr(train.subprocess, "run", killed_in_profiled_step)
+    monkeypatch.setattr(train, "versions", dict)
+    train.main(["--model", "tiny", "--rows", "grpo,default", "--out", str(tmp_path / "swept")])
+    rows = json.loads((tmp_path / "swept" / "train-tiny.json").read_text())["rows"]
+    kept = [(r["row"], r["error"], len(r["steps"])) for r in rows]
+    assert kept == [(row, "exit -9", 5) for row in ("grpo", "default")]
 
 
 def test_train_benchmark_long_prompt_workload(tmp_path):
