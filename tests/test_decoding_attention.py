@@ -39,6 +39,11 @@ def test_grouped_heads_equal_repeated_ones():
                                                            scaling=0.25)  # fmt: skip
     assert got.shape == expected.shape == (3, 1, 12, 16)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for mode in (torch.no_grad, torch.inference_mode):  # as decoding runs it
+        with mode():
+            again, _ = decoding_attention.grouped_decoding_attention(sdpa_attention_forward, Layer(6), query, key,
+                                                                     value, mask, scaling=0.25)  # fmt: skip
+        torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-6)
     swapped = key.flip(1)  # the key heads in the other order: the groups meet the wrong keys
     wrong, _ = decoding_attention.grouped_decoding_attention(sdpa_attention_forward, Layer(6), query, swapped, value,
                                                              mask, scaling=0.25)  # fmt: skip
