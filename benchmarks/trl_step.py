@@ -22,6 +22,10 @@ micro-batch plus the same optimizer step.
     python -m benchmarks.trl_step --model 0.5B --headline   # README's step run, per model: 4-micro-batch steps
     python -m benchmarks.trl_step --report benchmark-results/trl-step-*.json [--out docs/benchmarks/trl-step]
 
+On a GPU each batch kind and trainer runs in a process of its own (`--processes each`; `one` runs every row in
+this process, as on the CPU): `compile_backbone` compiles the shared model's layers in place, so that a row run after
+another trainer's meets that trainer's compiled code (`trl_step_processes`).
+
 The first writes `trl-step-<model>.json` (`trl-step-<model>-step<N>.json` with `--generation`; row by row, so an
 interrupted run keeps what it measured); `--report` joins such files into `trl-step.md` and `trl-step.png` (the
 bound drawn as the floor line). `--model tiny` runs a small model on the CPU (a smoke test of this script).
@@ -34,6 +38,7 @@ import gc
 import importlib.metadata as md
 import itertools
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -54,6 +59,7 @@ from benchmarks.trl_step_batches import (
     real_tokens,
     with_tail,
 )
+from benchmarks.trl_step_processes import sweep_in_processes
 from benchmarks.trl_step_report import report
 from benchmarks.trl_step_rows import BOUND, DEFAULT_TRAINERS, TRAINERS
 from compiled_grpo.integrations.trl import (
@@ -411,10 +417,11 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
         trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, checkpointing=checkpointing)
                     for name in names}  # fmt: skip
         make_plans(trainers.values(), batches)
-        steps = {BOUND: bound_step(model, batches), **{n: trainer_step(t, batches) for n, t in trainers.items()}}
+        steps = {BOUND: bound_step(model, batches)} if args.bound else {}
+        steps.update({n: trainer_step(t, batches) for n, t in trainers.items()})
         steps = row_steps(model, steps, trainers)
         setup["real_tokens"] = sum(map(real_tokens, batches)) / len(batches)
-        return f"{args.model} {kind} x{size}{checkpointing_label(checkpointing)}", steps, trainers
+        return shape_label(args, kind, size), steps, trainers
     count, optimizer = args.generation, setup["optimizer"]
     generation = micro_batch(vocab, device, size * count, zeros, C=completion, group=4)
     if kind.startswith("tail"):
@@ -424,10 +431,10 @@ def steps_to_time(args, model, size: int, kind: str, setup: dict) -> tuple[str, 
     setup["real_tokens"] = real_tokens(generation)
     trainers = {name: make_trainer(name, model, size, q, on_gpu, completion, count, checkpointing)
                 for name in names}  # fmt: skip
-    steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)}
+    steps = {BOUND: bound_optimizer_step(model, generation, count, optimizer)} if args.bound else {}
     steps.update({name: optimizer_step(t, generation, optimizer) for name, t in trainers.items()})
     steps = row_steps(model, steps, trainers)
-    return f"{args.model} {kind} x{size} step/{count}{checkpointing_label(checkpointing)}", steps, trainers
+    return shape_label(args, kind, size), steps, trainers
 
 
 def row_steps(model, steps: dict, trainers: dict) -> dict:
@@ -450,7 +457,30 @@ def checkpointing_label(on: bool) -> str:
     return "" if on else ", no checkpointing"
 
 
+def result_path(args) -> Path:
+    """Where a sweep writes its rows: `trl-step-<model>[-step<N>][-nockpt].json` under `--out`."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out / (f"trl-step-{args.model}" + (f"-step{args.generation}" if args.generation else "")
+                  + ("" if args.gradient_checkpointing else "-nockpt") + ".json")  # fmt: skip
+
+
+def shape_label(args, kind: str, size: int) -> str:
+    """A row's shape: model, batch kind, completions per micro-batch, `step/N` for whole optimizer steps, and
+    checkpointing where it is off."""
+    step = f" step/{args.generation}" if args.generation else ""
+    return f"{args.model} {kind} x{size}{step}{checkpointing_label(args.gradient_checkpointing)}"
+
+
+def in_processes(args) -> bool:
+    """Whether each batch kind and trainer runs in a process of its own (`trl_step_processes`): asked, or on a GPU
+    ("auto"), where compiled layers are shared by every row of one process."""
+    return args.processes == "each" or (args.processes == "auto" and torch.cuda.is_available() and args.model != "tiny")
+
+
 def sweep(args) -> None:
+    if in_processes(args):
+        return sweep_in_processes(args, result_path(args), lambda kind, size: shape_label(args, kind, size))
     on_gpu = torch.cuda.is_available() and args.model != "tiny"
     device = "cuda" if on_gpu else "cpu"
     model, vocab, completion = make_model(args.model, device)
@@ -460,10 +490,7 @@ def sweep(args) -> None:
     reset = lambda: model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=on_gpu) if args.generation else None
     setup = {"vocab": vocab, "device": device, "on_gpu": on_gpu, "completion": completion, "optimizer": optimizer}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / (f"trl-step-{args.model}" + (f"-step{args.generation}" if args.generation else "")
-                  + ("" if args.gradient_checkpointing else "-nockpt") + ".json")  # fmt: skip
+    path = result_path(args)
     versions = {"gpu": torch.cuda.get_device_name() if on_gpu else "CPU", "torch": torch.__version__,
                 "trl": md.version("trl"), "transformers": md.version("transformers"),
                 "liger_kernel": installed("liger-kernel"), "repeats": args.repeats}  # fmt: skip
@@ -482,6 +509,7 @@ def sweep(args) -> None:
                     "method": method,
                     "real_tokens": setup["real_tokens"],
                     "gradient_checkpointing": args.gradient_checkpointing,
+                    "process": os.getpid(),  # which rows ran together (`--processes`)
                 }
                 if args.generation:
                     row["micro_batches"] = args.generation
@@ -525,6 +553,10 @@ def main(argv=None):
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                     help="time the steps without gradient checkpointing (GRPOConfig's default, which train() turns "
                     "on, is on)")  # fmt: skip
+    ap.add_argument("--processes", choices=("auto", "each", "one"), default="auto",
+                    help="each batch kind and trainer in a process of its own (each; auto: on a GPU), or every row in "
+                    "this one")  # fmt: skip
+    ap.add_argument("--no-bound", dest="bound", action="store_false", help=argparse.SUPPRESS)  # a later child's
     ap.add_argument("--out", default="benchmark-results")
     ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
     args = ap.parse_args(argv)

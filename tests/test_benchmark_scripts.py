@@ -97,7 +97,7 @@ def test_capture_layouts_counts_the_loss_s_graph_cache(tmp_path):
 
 USER_BENCHMARKS = (
     "gpu", "gpu_methods", "timing", "cpu", "trl_step", "sft_step", "verl_head", "verl_triton", "side_by_side", "plots",
-    "unsloth_head", "train", "trl_step_batches", "trl_step_rows", "trl_step_report",
+    "unsloth_head", "train", "trl_step_batches", "trl_step_rows", "trl_step_report", "trl_step_processes",
 )  # fmt: skip
 
 
@@ -317,6 +317,41 @@ def test_trl_step_long_prompt_rows_share_their_prompts(tmp_path):
                    str(tmp_path), "--batches", "longprompt", "--generation", "2"])  # fmt: skip
     rows = json.loads((tmp_path / "trl-step-tiny-step2.json").read_text())["rows"]
     assert {r["method"] for r in rows} == {trl_step.BOUND, "grpo", "noshare"} and all(r["ms"] > 0 for r in rows)
+
+
+def test_trl_step_runs_each_batch_kind_and_trainer_in_a_process_of_its_own(tmp_path):
+    """`--processes each` (the default on a GPU, where compiled layers are shared by the rows of one process): a
+    child per batch kind and trainer, their rows gathered into one file, the bound timed once per shape."""
+    import json
+
+    from benchmarks import trl_step
+
+    trl_step.main(["--model", "tiny", "--sizes", "8", "--trainers", "grpo,grpo-wait", "--repeats", "1", "--out",
+                   str(tmp_path), "--batches", "zero75,half0", "--processes", "each"])  # fmt: skip
+    rows = json.loads((tmp_path / "trl-step-tiny.json").read_text())["rows"]
+    methods = [(r["shape"], r["method"]) for r in rows]
+    assert methods == [(f"tiny {kind} x8", method) for kind in ("zero75", "half0")
+                       for method in (trl_step.BOUND, "grpo", "grpo-wait")]  # fmt: skip
+    processes = {(r["shape"], r["method"]): r["process"] for r in rows}
+    assert len({processes[key] for key in methods if key[1] != trl_step.BOUND}) == 4
+    assert all(processes[(shape, trl_step.BOUND)] == processes[(shape, "grpo")] for shape, _ in methods)
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_trl_step_says_which_child_died_before_writing_its_row(tmp_path, monkeypatch):
+    """A child that exits without its row leaves a row that says so, and the rows of the others stay."""
+    import json
+    import subprocess
+
+    from benchmarks import trl_step
+
+    monkeypatch.setattr(subprocess, "run", lambda command, check: subprocess.CompletedProcess(command, 9))
+    trl_step.main(["--model", "tiny", "--sizes", "8", "--trainers", "grpo,auto", "--repeats", "1", "--out",
+                   str(tmp_path), "--batches", "tail", "--generation", "2", "--processes", "each"])  # fmt: skip
+    rows = json.loads((tmp_path / "trl-step-tiny-step2.json").read_text())["rows"]
+    assert [(r["shape"], r["method"], r["size"]) for r in rows] == [("tiny tail x8 step/2", "grpo", 8),
+                                                                    ("tiny tail x8 step/2", "auto", 8)]  # fmt: skip
+    assert all("exited with code 9" in r["status"] for r in rows)
 
 
 def test_profile_step_names_the_trainers_parts_and_writes_python_profiles(tmp_path, monkeypatch):
