@@ -354,6 +354,30 @@ def test_trl_step_says_which_child_died_before_writing_its_row(tmp_path, monkeyp
     assert all("exited with code 9" in r["status"] for r in rows)
 
 
+def test_trl_step_resumes_where_its_file_stops(tmp_path, monkeypatch):
+    """`--resume`: the rows the file holds are kept and their children not run again, a failed row is timed again,
+    and the bound is timed by the first child of a shape that has none."""
+    import json
+    import subprocess
+
+    from benchmarks import trl_step
+
+    shape = "tiny tail x8 step/2"
+    row = {"shape": shape, "model": "tiny", "batch": "tail", "size": 8}
+    held = [{**row, "method": "grpo", "ms": 5.0}, {**row, "method": "auto", "status": "failed"}]
+    (tmp_path / "trl-step-tiny-step2.json").write_text(json.dumps({"versions": {}, "date": "d", "rows": held}))
+    commands = []
+    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command)
+                        or subprocess.CompletedProcess(command, 1))  # fmt: skip
+    trl_step.main(["--model", "tiny", "--sizes", "8", "--trainers", "grpo,auto,noshare", "--repeats", "1", "--out",
+                   str(tmp_path), "--batches", "tail", "--generation", "2", "--processes", "each",
+                   "--resume"])  # fmt: skip
+    assert [c[c.index("--trainers") + 1] for c in commands] == ["auto", "noshare"]
+    assert ["--no-bound" in c for c in commands] == [False, False]  # no bound row held, and the first child failed
+    rows = json.loads((tmp_path / "trl-step-tiny-step2.json").read_text())["rows"]
+    assert [(r["method"], r.get("ms")) for r in rows] == [("grpo", 5.0), ("auto", None), ("noshare", None)]
+
+
 def test_profile_step_names_the_trainers_parts_and_writes_python_profiles(tmp_path, monkeypatch):
     """`profile_step` on a tiny model: each method's phases, the trainer's own parts among them, from the plans made
     before timing (as the generation batch makes them in training: the masks read once, not in every step), and with
