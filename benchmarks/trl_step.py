@@ -557,7 +557,7 @@ def main(argv=None):
                     help="each batch kind and trainer in a process of its own (each; auto: on a GPU), or every row in "
                     "this one")  # fmt: skip
     ap.add_argument("--resume", action="store_true",
-                    help="with --processes each: keep the rows the output file holds, time the others")
+                    help="with --processes each: keep the rows the output file holds, time the others")  # fmt: skip
     ap.add_argument("--no-bound", dest="bound", action="store_false", help=argparse.SUPPRESS)  # a later child's
     ap.add_argument("--out", default="benchmark-results")
     ap.add_argument("--report", nargs="+", default=None, help="trl-step-*.json files to join into a table and picture")
