@@ -33,16 +33,14 @@ def child_command(args, size: int, kind: str, trainer: str, out: str, bound: boo
     return command
 
 
-def child_rows(out: Path, name: str, trainer: str, shape: str, returncode: int) -> tuple[list[dict], dict | None]:
-    """(the child's rows, its file's versions and date): where its trainer's row is missing (the child died before
-    writing it), a row that says so."""
+def child_rows(out: Path, name: str, which: dict, returncode: int) -> tuple[list[dict], dict | None]:
+    """(the child's rows, its file's versions and date): where the row of `which` (its shape, model, batch, size and
+    method) is missing (the child died before writing it), a row that says so."""
     path = out / name
     data = json.loads(path.read_text()) if path.exists() else {"rows": []}
     rows = data["rows"]
-    if not any(row["method"] == trainer for row in rows):
-        model, kind, size = shape.split(" ")[:3]
-        rows.append({"shape": shape, "model": model, "batch": kind, "size": int(size.lstrip("x")), "method": trainer,
-                     "status": f"its process exited with code {returncode} before the row was written"})  # fmt: skip
+    if not any(row["method"] == which["method"] for row in rows):
+        rows.append({**which, "status": f"its process exited with code {returncode} before the row was written"})
     return rows, ({"versions": data["versions"], "date": data["date"]} if "versions" in data else None)
 
 
@@ -71,7 +69,8 @@ def sweep_in_processes(args, path: Path, shape_of) -> None:
                 started = time.perf_counter()
                 with tempfile.TemporaryDirectory(prefix="trl-step-child-") as out:
                     done = subprocess.run(child_command(args, size, kind, trainer, out, bound), check=False)
-                    more, found = child_rows(Path(out), path.name, trainer, shape, done.returncode)
+                    which = {"shape": shape, "model": args.model, "batch": kind, "size": size, "method": trainer}
+                    more, found = child_rows(Path(out), path.name, which, done.returncode)
                 rows += more
                 meta = found or meta
                 path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
