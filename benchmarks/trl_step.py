@@ -472,16 +472,21 @@ def shape_label(args, kind: str, size: int) -> str:
     return f"{args.model} {kind} x{size}{step}{checkpointing_label(args.gradient_checkpointing)}"
 
 
+def runs_on_gpu(args) -> bool:
+    """Whether the sweep's models run on the GPU (every model but `tiny`, where there is one)."""
+    return torch.cuda.is_available() and args.model != "tiny"
+
+
 def in_processes(args) -> bool:
     """Whether each batch kind and trainer runs in a process of its own (`trl_step_processes`): asked, or on a GPU
     ("auto"), where compiled layers are shared by every row of one process."""
-    return args.processes == "each" or (args.processes == "auto" and torch.cuda.is_available() and args.model != "tiny")
+    return args.processes == "each" or (args.processes == "auto" and runs_on_gpu(args))
 
 
 def sweep(args) -> None:
     if in_processes(args):
         return sweep_in_processes(args, result_path(args), lambda kind, size: shape_label(args, kind, size))
-    on_gpu = torch.cuda.is_available() and args.model != "tiny"
+    on_gpu = runs_on_gpu(args)
     device = "cuda" if on_gpu else "cpu"
     model, vocab, completion = make_model(args.model, device)
     # the rows share one process and one model: the decoder layer's compiled code meets every row's kind of call
