@@ -1,20 +1,20 @@
 """The step users wait for: `trainer.train()` itself, generation included, one trainer per process.
 
-Each row is a real `train()` run in a process of its own (the trainers compile the shared model's layers and
-decode step in place, and an empty Inductor cache per process unless the row says it is warm): TRL's `GRPOConfig`
-defaults (gradient checkpointing on, transformers' `generate`, no vLLM), 4 prompts x 8 completions per optimizer
-step (`per_device_train_batch_size=8`, `gradient_accumulation_steps=4`), prompts of 20-200 tokens, completions of at
-most 256 tokens that end at EOS. The models are Qwen2.5's shapes with random bf16 weights (nothing downloaded); a
-random model's next-token distribution is nearly uniform, so the model declares one token in 95 an end of sequence
-(`generation_config.eos_token_id`, as chat models declare their end-of-turn tokens) and completions end after about
-95 tokens, a few at the limit. The reward is the share of a completion's tokens with an even id (noise, so every
-group has a spread and trains). Per optimizer step: the wall clock (between the ends of consecutive steps),
-generation (TRL's `_generate_single_turn`, synchronized), the rest of the step (rewards, old log-probs, the loss's
-forwards and backwards, the optimizer), graphs dynamo compiled during generation and outside it, CUDA graphs
-recorded (Inductor's CUDA-graph trees: the decode step's and a graphed stack's), the mean completion length; per
-run: the peak memory (allocated, and reserved: CUDA graphs' pools whole), and the GPU's busy time of one more step
-under the profiler (its kernels' time, each counted once). The first two steps (compiling) are reported apart from
-the median of the rest.
+Each row is a real `train()` run in a process of its own (the trainers compile the shared model's layers and decode
+step in place, and an empty Inductor cache per process unless the row says it is warm): TRL's `GRPOConfig` defaults
+(gradient checkpointing on, transformers' `generate`, no vLLM), 4 prompts x 8 completions per optimizer step
+(`per_device_train_batch_size=8`, `gradient_accumulation_steps=4`), prompts of 20-200 tokens (512 in rows marked
+`512-token prompts`), completions of at most 256 tokens that end at EOS. The models are Qwen2.5's shapes with random
+bf16 weights (nothing downloaded); a random model's next-token distribution is nearly uniform, so the model declares
+one token in 95 an end of sequence (`generation_config.eos_token_id`, as chat models declare their end-of-turn
+tokens) and completions end after about 95 tokens, a few at the limit. The reward is the share of a completion's
+tokens with an even id (noise, so every group has a spread and trains). Per optimizer step: the wall clock (between
+the ends of consecutive steps), generation (TRL's `_generate_single_turn`, synchronized), the rest of the step
+(rewards, old log-probs, the loss's forwards and backwards, the optimizer), graphs dynamo compiled during generation
+and outside it, CUDA graphs recorded (Inductor's CUDA-graph trees: the decode step's and a graphed stack's), the
+mean completion length; per run: the peak memory (allocated, and reserved: CUDA graphs' pools whole), and the GPU's
+busy time of one more step under the profiler (its kernels' time, each counted once). The first two steps
+(compiling) are reported apart from the median of the rest.
 
     python -m benchmarks.train --model 1.5B [--rows grpo,grpo-compiled-decoding,default,eager-generation]
         [--steps 10] [--warm] [--workload mixed|long] [--out benchmark-results]
