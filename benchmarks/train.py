@@ -14,7 +14,8 @@ the ends of consecutive steps), generation (TRL's `_generate_single_turn`, synch
 and outside it, CUDA graphs recorded (Inductor's CUDA-graph trees: the decode step's and a graphed stack's), the
 mean completion length; per run: the peak memory (allocated, and reserved: CUDA graphs' pools whole), and the GPU's
 busy time of one more step under the profiler (its kernels' time, each counted once). The first two steps
-(compiling) are reported apart from the median of the rest.
+(compiling) are reported apart from the median of the rest. Each row's process logs dynamo's recompilations with the
+guard that failed (its stderr), so that a graph compiled in a later step can be traced to its call.
 
     python -m benchmarks.train --model 1.5B [--rows grpo,grpo-compiled-decoding,default,eager-generation]
         [--steps 10] [--warm] [--workload mixed|long] [--out benchmark-results]
@@ -213,6 +214,7 @@ def run_row(row: str, model_name: str, steps: int, workload: str = "mixed", keep
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
+    torch._logging.set_logs(recompiles=True)  # a graph compiled after the first steps says which guard failed
     model = model_for(model_name, device)
     vocab = model.config.vocab_size
     args = GRPOConfig(
