@@ -238,6 +238,28 @@ def test_train_benchmark_long_prompt_workload(tmp_path):
     assert row["shared_prompt_tokens"] == 0.0  # share_prompts=False
 
 
+def test_packed_shapes_counts_the_shapes_the_library_packs(tmp_path):
+    """`packed_shapes` counts what `packing.pack` gives on fixed capacities: each shape's length a capacity above the
+    micro-batch's real tokens, coarser capacities padding more, its new shapes per step adding up to its count."""
+    import json
+
+    from benchmarks.diagnostics import packed_shapes
+    from compiled_grpo.integrations.trl import packing
+
+    rows = [(0, 100, 30)] * 8  # one group of 8: a 100-token prompt, completions of 30
+    length, slots, keys, key_slots = packed_shapes.shape(rows, share=True)
+    assert length == packing.capacity(99 + 8 * 31 + 1, packed_shapes.BUCKET) and slots == key_slots == 17
+    assert keys >= 99 + 8 * (99 + 31)  # each completion's keys: the shared prompt, then its own tokens
+    assert len(packed_shapes.shape(rows, share=False)) == 2  # packed apart: no keys of their own
+    packed_shapes.main(["--steps", "4", "--seeds", "2", "--per-octave", "1,4", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "packed-shapes-mixed.json").read_text())
+    coarse, fine = found["rows"]
+    assert coarse["padding"] > fine["padding"] > 0
+    for row in found["rows"]:
+        assert sum(row["new_per_step"]) == row["shapes"][0] and len(row["new_per_step"]) == 4
+    assert (tmp_path / "packed-shapes-mixed.png").stat().st_size > 0
+
+
 def test_readme_quick_start_times_are_the_stored_ci_runs():
     """README's quick-start table is written from docs/ci/quickstart.json, the .ci/run log that measured it."""
     from benchmarks import quickstart
