@@ -60,19 +60,32 @@ def micro_batches(rng: random.Random, rows: list, share: bool) -> list[list]:
     return [rows[i : i + MICRO_BATCH] for i in range(0, len(rows), MICRO_BATCH)]
 
 
-def shape(rows: list, share: bool) -> tuple:
-    """What the packed layers see of these rows on fixed capacities: (length, segment slots[, keys, key slots])."""
+def lengths_of(rows: list, share: bool) -> Lengths:
+    """The rows' `Lengths` as the trainer reads them (every row's real tokens one span; a group's rows naming its
+    first row where prompts are shared)."""
     P, C = max(r[1] for r in rows), max(r[2] for r in rows)
     prompt, completion = torch.tensor([r[1] for r in rows]), torch.tensor([r[2] for r in rows])
     masks = (torch.ones(len(rows), P), torch.ones(len(rows), C))
     groups = torch.tensor([[r[0] for r in rows].index(r[0]) for r in rows]) if share else None
-    lengths = Lengths(prompt, completion, True, masks, (), groups)
-    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
-    packed = packing.pack(ids, lengths, torch.arange(len(rows)), packing.Shapes(BUCKET, fixed=True), groups)
+    return Lengths(prompt, completion, True, masks, (), groups)
+
+
+def shape(rows: list, share: bool) -> tuple:
+    """What the packed layers see of these rows on fixed capacities: (length, segment slots[, keys, key slots])."""
+    lengths = lengths_of(rows, share)
+    ids = torch.zeros(len(rows), sum(m.shape[1] for m in lengths.masks), dtype=torch.long)
+    packed = packing.pack(ids, lengths, torch.arange(len(rows)), packing.Shapes(BUCKET, fixed=True), lengths.groups)
     found = (packed.input_ids.shape[1], len(packed.cu_seqlens))
     if packed.keys is not None:
         found += (len(packed.keys.index), len(packed.keys.cu_seqlens))
     return found
+
+
+def real_tokens(rows: list, share: bool) -> int:
+    """The tokens the packed row forwards before its padding (a shared prompt once)."""
+    lengths = lengths_of(rows, share)
+    alone = int(lengths.prompt.sum() + lengths.completion.sum())
+    return alone - packing.saved_tokens(lengths, torch.arange(len(rows)), lengths.groups)
 
 
 def run(per_octave: int, workload: str, steps: int, seed: int, share: bool) -> dict:
@@ -85,7 +98,7 @@ def run(per_octave: int, workload: str, steps: int, seed: int, share: bool) -> d
                 found = shape(rows, share)
                 seen.add(found)
                 padded += found[0]
-                real += sum(r[1] + r[2] for r in rows) - (sum(r[1] - 1 for r in rows[1:]) if share else 0)
+                real += real_tokens(rows, share)
             new.append(len(seen) - before)
     return {"shapes": len(seen), "new_per_step": new, "padding": padded / real - 1}
 
